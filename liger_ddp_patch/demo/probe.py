@@ -1,0 +1,158 @@
+"""The 2-rank probe, run under ``torchrun`` as a plain script (it never imports this package unless asked): one DPO/KTO Liger step per trainer, then compare gradients across ranks.
+
+Each rank trains on different rows, so gradients that were never all-reduced differ. Rank 0 writes a JSON result to
+``--out``. ``PROBE_PATCH`` says how the package arrives: ``before`` (imported before TRL), ``after`` (after
+``from trl import ...``), ``none`` (never imported here; a ``sitecustomize`` may still bring it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import traceback
+
+PATCH_MODE = os.environ.get("PROBE_PATCH", "before")
+if PATCH_MODE == "before":
+    import liger_ddp_patch  # noqa: F401
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+# Liger's Triton model kernels need a GPU; its chunked losses are plain PyTorch and run on CPU.
+NO_TRITON = {k: False for k in ("rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy",
+                                "layer_norm", "geglu")}  # fmt: skip
+
+
+def _trainer_classes(kind: str):
+    import trl
+
+    if kind == "dpo":
+        return trl.DPOConfig, trl.DPOTrainer
+    try:
+        return trl.KTOConfig, trl.KTOTrainer
+    except AttributeError:  # some 1.x releases keep KTO under trl.experimental
+        from trl.experimental.kto import KTOConfig, KTOTrainer
+
+        return KTOConfig, KTOTrainer
+
+
+def _dataset(kind: str, rank: int):
+    from datasets import Dataset
+
+    rows = prompt_rows(rank)
+    if kind == "kto":
+        rows = [
+            {"prompt": r["prompt"], "completion": r["chosen" if i % 2 else "rejected"], "label": bool(i % 2)}
+            for i, r in enumerate(rows)
+        ]
+    return Dataset.from_list(rows)
+
+
+WORDS = (  # liger_ddp_patch.demo.tiny builds its tokenizer from exactly these words
+    "rank question about something a good bad answer from the model is here yes no maybe "
+    "one two three four five six seven eight nine ten"
+).split()
+
+
+def prompt_rows(rank: int, n: int = 32) -> list[dict]:
+    """Preference rows that differ per rank, so unsynchronised gradients are guaranteed to differ."""
+    return [
+        {
+            "prompt": f"rank {WORDS[-10 + rank % 10]} question {WORDS[-10 + i % 10]} about something",
+            "chosen": f"a good answer from rank {WORDS[-10 + rank % 10]}",
+            "rejected": f"a bad answer from the model {WORDS[-10 + (rank + i) % 10]}",
+        }
+        for i in range(n)
+    ]
+
+
+def compare_across_ranks(model: torch.nn.Module) -> dict:
+    """Gradients of every parameter gathered from all ranks: how many differ from rank 0, and by how much."""
+    world = dist.get_world_size()
+    differing, total, max_diff, names = 0, 0, 0.0, []
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad.detach().float().contiguous()
+        gathered = [torch.empty_like(grad) for _ in range(world)]
+        dist.all_gather(gathered, grad)
+        diff = max((gathered[0] - other).abs().max().item() for other in gathered[1:])
+        total += 1
+        max_diff = max(max_diff, diff)
+        if diff > 0:
+            differing += 1
+            names.append(name)
+    return {"params": total, "differing": differing, "max_abs_diff": max_diff, "differing_names": names[:5]}
+
+
+def run_one(kind: str, assets: str, args) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    config_cls, trainer_cls = _trainer_classes(kind)
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    tokenizer = AutoTokenizer.from_pretrained(assets)
+    model = AutoModelForCausalLM.from_pretrained(assets, dtype=torch.float32)
+    config = config_cls(
+        output_dir=tempfile.mkdtemp(prefix=f"probe-{kind}-"),
+        use_liger_kernel=True,
+        liger_kernel_config=NO_TRITON,
+        per_device_train_batch_size=args.batch_size,
+        max_steps=1,
+        max_length=64,
+        use_cpu=True,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    result: dict = {"trainer": kind}
+    trainer = trainer_cls(model=model, args=config, train_dataset=_dataset(kind, rank), processing_class=tokenizer)
+
+    class GradProbe(TrainerCallback):
+        def on_pre_optimizer_step(self, _args, state, control, **kwargs):
+            result.update(compare_across_ranks(trainer.accelerator.unwrap_model(trainer.model)))
+
+    trainer.add_callback(GradProbe())
+    trainer.train()
+    result["loss_class"] = type(getattr(trainer, "liger_loss", None)).__name__
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--assets", required=True, help="folder with the tiny model and tokenizer (demo.tiny.build)")
+    parser.add_argument("--trainers", default="dpo,kto")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    if PATCH_MODE == "after":
+        from trl import DPOTrainer  # noqa: F401  (the lazy import path users take)
+
+        import liger_ddp_patch  # noqa: F401
+
+    results = []
+    for kind in args.trainers.split(","):
+        try:
+            results.append(run_one(kind, args.assets, args))
+        except Exception as exc:  # record the crash (e.g. the TensorWrapper error) and go on to the next trainer
+            results.append({"trainer": kind, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+
+    import sys
+
+    report = None
+    if "liger_ddp_patch" in sys.modules:
+        report = [s.as_dict() for s in sys.modules["liger_ddp_patch"].report()]
+    import trl
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(args.out, "w") as fh:
+            json.dump({"trl": trl.__version__, "patch_mode": PATCH_MODE, "results": results, "report": report}, fh)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
