@@ -1,0 +1,269 @@
+r"""Token-chunked DPO loss on top of a linear LM head, in plain PyTorch autograd.
+
+Drop-in replacement for ``liger_kernel.chunked_loss.LigerFusedLinearDPOLoss`` (liger-kernel 0.8.5) and
+TRL 1.13's vendored ``trl.losses.FusedLinearDPOLoss``: same constructor keywords and defaults, same
+``forward(lin_weight, _input, target, bias, ref_input, ref_weight, ref_bias)`` and the same
+``(loss, (7 metrics))`` return value -- but no ``torch.func`` and no ``torch.compile``, so it works inside
+``DistributedDataParallel.forward`` (upstream TRL issue #7245; TRL >= 1.14 replaced the fused path by its
+own chunked log-prob path, PR #7243).
+
+The batch holds ``2 P`` sequences: rows ``[0, P)`` are the chosen and rows ``[P, 2P)`` the rejected
+completions (TRL stacks them that way).  With per-sequence log-probs
+
+    logp(y) = sum_{t : y_t != ignore_index} log softmax(h_t W^T + b)[y_t]      (÷ #tokens if average_log_prob)
+
+and ``r_w = logp(y_w) - logp_ref(y_w)``, ``r_l = logp(y_l) - logp_ref(y_l)`` (reference terms are 0 when
+``use_ref_model=False``), ``d = beta (r_w - r_l)``, the per-pair losses are (``σ`` the logistic function,
+``ε`` = label_smoothing, ``τ`` = discopop_tau):
+
+    sigmoid   : -log σ(d)                                               (DPO, arXiv:2305.18290)
+    hinge     : max(0, 1 - d)
+    exo_pair  : σ(d) (log σ(d) - log(1-ε)) + σ(-d) (log σ(-d) - log ε)  (EXO, ε > 0)
+    nca_pair  : -log σ(β r_w) - ½ log σ(-β r_w) - ½ log σ(-β r_l)
+    robust    : (-(1-ε) log σ(d) + ε log σ(-d)) / (1 - 2ε)              (cDPO, 0 <= ε < 0.5)
+    bco_pair  : -log σ(β r_w) - log σ(-β r_l)
+    sppo_hard : (r_w - 1/(2β))² + (r_l + 1/(2β))²
+    apo_zero  : 1 - σ(β r_w) + σ(β r_l)
+    apo_down  : σ(β r_w) + 1 - σ(d)
+    discopop  : -log σ(d) (1 - σ(d/τ)) + exp(-d) σ(d/τ)
+
+    loss = (1/P) Σ_pairs loss_pair  +  alpha * NLL,
+    NLL  = -(Σ_{chosen non-ignored tokens} log p(y_t)) / #(chosen non-ignored tokens)   (only if compute_nll_loss)
+
+These formulas, the normalisation by the number of pairs, and the metric definitions below match
+``liger_kernel.chunked_loss.dpo_loss`` / ``fused_linear_preference`` 0.8.5 (identical in TRL 1.13's
+vendored copy); the code here is an independent implementation.
+
+Metrics (all detached, fp32), in order:
+    chosen_logps (P,), rejected_logps (P,),
+    chosen_logits_mean (), rejected_logits_mean ()  -- mean of the policy logits over *all* positions of the
+        chosen / rejected rows, ignored (prompt/padding) positions included, i.e. Σ logits / (P · L · V),
+        as in Liger; computed without a GEMM (see ``_core.row_logit_sums``),
+    nll_loss () -- the NLL term above (0 when compute_nll_loss=False), not multiplied by alpha,
+    chosen_rewards (P,) = β r_w, rejected_rewards (P,) = β r_l.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._core import check_reference as _check_reference, resolve_token_chunk_size, row_logit_sums, sequence_sums, token_logprobs
+
+__all__ = ["ChunkedDPOLoss", "dpo_preference_loss", "SUPPORTED_DPO_LOSS_TYPES"]
+
+SUPPORTED_DPO_LOSS_TYPES = (
+    "sigmoid",
+    "hinge",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+)
+
+
+def _check_options(loss_type: str, label_smoothing: float) -> None:
+    # Same exception types/conditions as LigerFusedLinearDPOLoss.__init__ (ValueError for all of them).
+    if loss_type not in SUPPORTED_DPO_LOSS_TYPES:
+        raise ValueError(
+            f"Unsupported loss_type: {loss_type!r}. Supported types are: {', '.join(SUPPORTED_DPO_LOSS_TYPES)}"
+            + (
+                " ('ipo' needs per-sample completion lengths to length-normalise the squared margin and is not "
+                "supported by the chunked/fused DPO losses)"
+                if loss_type == "ipo"
+                else ""
+            )
+        )
+    if loss_type == "exo_pair" and label_smoothing <= 0.0:
+        raise ValueError("label_smoothing must be > 0 for loss_type='exo_pair'. The EXO paper recommends 1e-3.")
+    if loss_type == "robust" and not (0.0 <= label_smoothing < 0.5):
+        raise ValueError(f"label_smoothing must lie in [0.0, 0.5) for loss_type='robust'. Got {label_smoothing}.")
+
+
+def dpo_preference_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: Optional[torch.Tensor],
+    ref_rejected_logps: Optional[torch.Tensor],
+    n_pairs: int,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    discopop_tau: float = 0.05,
+):
+    """Pairwise preference loss on per-sequence log-probs (see the module docstring for the formulas).
+
+    Returns ``(loss, chosen_rewards, rejected_rewards)``; ``loss`` is the sum of per-pair losses / n_pairs.
+    """
+    _check_options(loss_type, label_smoothing)
+    r_w = chosen_logps if ref_chosen_logps is None else chosen_logps - ref_chosen_logps
+    r_l = rejected_logps if ref_rejected_logps is None else rejected_logps - ref_rejected_logps
+    rew_w = beta * r_w
+    rew_l = beta * r_l
+    d = beta * (r_w - r_l)
+    logsig = F.logsigmoid
+    if loss_type == "sigmoid":
+        losses = -logsig(d)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - d)
+    elif loss_type == "exo_pair":
+        eps = float(label_smoothing)
+        log_p_w = torch.log1p(torch.tensor(-eps, dtype=d.dtype, device=d.device))
+        log_p_l = torch.log(torch.tensor(eps, dtype=d.dtype, device=d.device))
+        losses = torch.sigmoid(d) * (logsig(d) - log_p_w) + torch.sigmoid(-d) * (logsig(-d) - log_p_l)
+    elif loss_type == "nca_pair":
+        losses = -logsig(rew_w) - 0.5 * logsig(-rew_w) - 0.5 * logsig(-rew_l)
+    elif loss_type == "robust":
+        eps = float(label_smoothing)
+        losses = (-(1 - eps) * logsig(d) + eps * logsig(-d)) / (1 - 2 * eps)
+    elif loss_type == "bco_pair":
+        losses = -logsig(rew_w) - logsig(-rew_l)
+    elif loss_type == "sppo_hard":
+        half_inv_beta = 0.5 / beta
+        losses = (r_w - half_inv_beta) ** 2 + (r_l + half_inv_beta) ** 2
+    elif loss_type == "apo_zero":
+        losses = (1 - torch.sigmoid(rew_w)) + torch.sigmoid(rew_l)
+    elif loss_type == "apo_down":
+        losses = torch.sigmoid(rew_w) + (1 - torch.sigmoid(d))
+    else:  # discopop
+        modulation = torch.sigmoid(d / discopop_tau)
+        losses = -logsig(d) * (1 - modulation) + torch.exp(-d) * modulation
+    return losses.sum() / n_pairs, rew_w, rew_l
+
+
+class ChunkedDPOLoss(torch.nn.Module):
+    """Token-chunked linear + DPO loss (plain autograd; see the module docstring for formulas/metrics).
+
+    Args (same names/defaults as ``LigerFusedLinearDPOLoss`` 0.8.5 and TRL 1.13 ``FusedLinearDPOLoss``):
+        ignore_index: label value that marks positions without loss (prompt, padding).
+        beta, alpha, compute_nll_loss, use_ref_model, average_log_prob, loss_type, label_smoothing,
+        discopop_tau: as in Liger.
+        compiled: accepted for compatibility and **ignored** -- nothing here is ever compiled.
+        chunk_size: accepted for compatibility and **ignored** -- Liger's chunk_size counts *pairs* per chunk
+            and the result does not depend on it; our memory is bounded by ``token_chunk_size`` instead.
+        token_chunk_size: (our own keyword) number of non-ignored tokens projected per chunk; ``None`` = auto
+            (``min(4096, 2**25 // V)``, i.e. a ~128 MiB fp32 logits buffer).
+    """
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        beta: float = 0.1,
+        alpha: float = 1.0,
+        compute_nll_loss: bool = False,
+        compiled: bool = True,
+        use_ref_model: bool = True,
+        average_log_prob: bool = False,
+        chunk_size: int = 1,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        discopop_tau: float = 0.05,
+        token_chunk_size: Optional[int] = None,
+    ):
+        super().__init__()
+        _check_options(loss_type, label_smoothing)
+        if token_chunk_size is not None:
+            resolve_token_chunk_size(token_chunk_size, 1)  # validate early
+        self.ignore_index = ignore_index
+        self.beta = beta
+        self.alpha = alpha
+        self.compute_nll_loss = compute_nll_loss
+        self.compiled = compiled
+        self.use_ref_model = use_ref_model
+        self.average_log_prob = average_log_prob
+        self.chunk_size = chunk_size
+        self.loss_type = loss_type
+        self.label_smoothing = label_smoothing
+        self.discopop_tau = discopop_tau
+        self.token_chunk_size = token_chunk_size
+
+    def extra_repr(self) -> str:
+        return (
+            f"loss_type={self.loss_type!r}, beta={self.beta}, use_ref_model={self.use_ref_model}, "
+            f"token_chunk_size={self.token_chunk_size}"
+        )
+
+    def _seq_logps(self, hidden, weight, bias, target):
+        logp, rows, counts = token_logprobs(hidden, weight, bias, target, self.ignore_index, self.token_chunk_size)
+        seq = sequence_sums(logp, rows, target.shape[0])
+        if self.average_log_prob:
+            seq = seq / counts  # 0/0 -> NaN for a fully ignored row, as in Liger
+        return seq, logp, rows, counts
+
+    def forward(
+        self,
+        lin_weight: torch.Tensor,
+        _input: torch.Tensor,
+        target: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        ref_input: Optional[torch.Tensor] = None,
+        ref_weight: Optional[torch.Tensor] = None,
+        ref_bias: Optional[torch.Tensor] = None,
+    ):
+        """
+        Args:
+            lin_weight: ``(V, H)`` policy LM-head weight.
+            _input: ``(2P, L, H)`` policy hidden states, chosen rows first.
+            target: ``(2P, L)`` labels (``ignore_index`` where there is no loss).
+            bias: ``(V,)`` or None.  ref_input / ref_weight / ref_bias: the reference model's counterparts
+                (used only when ``use_ref_model``; never differentiated).
+        Returns:
+            ``(loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean, nll_loss,
+            chosen_rewards, rejected_rewards))``.
+        """
+        _check_reference(self.use_ref_model, ref_input, ref_weight)
+        batch, seq_len = target.shape[0], target.shape[1]
+        n_pairs = batch // 2
+        vocab = lin_weight.shape[0]
+
+        seq, logp, rows, counts = self._seq_logps(_input, lin_weight, bias, target)
+        chosen_logps, rejected_logps = seq[:n_pairs], seq[n_pairs:]
+
+        if self.compute_nll_loss:
+            chosen_tok = (rows < n_pairs).to(logp.dtype)
+            nll = -(logp * chosen_tok).sum() / counts[:n_pairs].sum()
+        else:
+            # Liger returns 0.0 / count here; we return a plain 0 (Liger's is NaN when every chosen row is
+            # fully ignored, which would poison the loss even without the NLL term).
+            nll = torch.zeros((), dtype=torch.float32, device=_input.device)
+
+        ref_chosen = ref_rejected = None
+        if self.use_ref_model:
+            with torch.no_grad():
+                ref_seq, _, _, _ = self._seq_logps(ref_input, ref_weight, ref_bias, target)
+            ref_chosen, ref_rejected = ref_seq[:n_pairs], ref_seq[n_pairs:]
+
+        pref_loss, chosen_rewards, rejected_rewards = dpo_preference_loss(
+            chosen_logps,
+            rejected_logps,
+            ref_chosen,
+            ref_rejected,
+            n_pairs,
+            beta=self.beta,
+            loss_type=self.loss_type,
+            label_smoothing=self.label_smoothing,
+            discopop_tau=self.discopop_tau,
+        )
+        loss = self.alpha * nll + pref_loss if self.compute_nll_loss else pref_loss
+
+        row_sums = row_logit_sums(_input, lin_weight, bias)
+        denom = float(n_pairs * seq_len * vocab)
+        chosen_logits_mean = row_sums[:n_pairs].sum() / denom
+        rejected_logits_mean = row_sums[n_pairs:].sum() / denom
+
+        metrics = (
+            chosen_logps.detach(),
+            rejected_logps.detach(),
+            chosen_logits_mean,
+            rejected_logits_mean,
+            nll.detach(),
+            chosen_rewards.detach(),
+            rejected_rewards.detach(),
+        )
+        return loss, metrics

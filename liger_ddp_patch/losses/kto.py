@@ -1,0 +1,146 @@
+r"""Token-chunked KTO loss on top of a linear LM head, in plain PyTorch autograd.
+
+Drop-in replacement for ``liger_kernel.chunked_loss.LigerFusedLinearKTOLoss`` (liger-kernel 0.8.5) and
+TRL 1.13's vendored ``trl.losses.FusedLinearKTOLoss``: same constructor keywords/defaults, same keyword
+``forward`` call TRL's KTOTrainer makes (``_input=, lin_weight=, target=, bias=, preference_labels=,
+ref_input=, ref_weight=, ref_bias=, kl=``), same ``(loss, (6 metrics))`` return -- without ``torch.func`` /
+``torch.compile``.
+
+KTO (Kahneman-Tversky Optimisation, arXiv:2402.01306), unpaired: each of the ``B`` rows is a completion
+with a boolean label ``u_i`` (True = desirable).  With ``logp_i`` the (summed, or averaged if
+``average_log_prob``) target log-prob of row ``i`` over its non-ignored tokens and
+``r_i = logp_i - logp_ref_i`` (``r_i = logp_i`` when ``use_ref_model=False``), ``z_0`` = ``kl`` (a scalar
+or ``(B,)`` tensor, 0 when ``None``) and ``s_i = +1`` if ``u_i`` else ``-1``:
+
+    loss_i = 1 - σ(β (r_i - z_0) s_i)          i.e.  1 - σ(β (r_i - z_0))  for desirable rows,
+                                                      1 - σ(β (z_0 - r_i))  for undesirable rows
+    loss   = (1/B) Σ_i loss_i
+
+(matches ``liger_kernel.chunked_loss.kto_loss`` 0.8.5 / TRL 1.13 ``trl/losses/kto_loss.py``; independent
+implementation).
+
+Metrics (detached fp32 scalars), in order:
+    chosen_logps_sum   = Σ_{u_i} logp_i,          rejected_logps_sum   = Σ_{¬u_i} logp_i,
+    chosen_logits_sum  = Σ_{u_i} Σ_{t,v} logits,  rejected_logits_sum  = Σ_{¬u_i} Σ_{t,v} logits
+        (over *all* positions, ignored ones included, as in Liger; computed without a GEMM),
+    chosen_rewards_sum = Σ_{u_i} β r_i,           rejected_rewards_sum = Σ_{¬u_i} β r_i.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._core import check_reference as _check_reference, resolve_token_chunk_size, row_logit_sums, sequence_sums, token_logprobs
+
+__all__ = ["ChunkedKTOLoss", "kto_preference_loss"]
+
+
+def kto_preference_loss(logps, preference_labels, ref_logps=None, beta=0.1, kl=None):
+    """Returns ``(loss, chosen_rewards_sum, rejected_rewards_sum)`` (see the module docstring)."""
+    labels = preference_labels.to(device=logps.device, dtype=torch.bool)
+    logratios = logps if ref_logps is None else logps - ref_logps
+    sign = labels.to(logratios.dtype) * 2 - 1
+    z = logratios if kl is None else logratios - kl
+    losses = 1 - torch.sigmoid(beta * z * sign)
+    rewards = beta * logratios
+    chosen_rewards_sum = (rewards * labels).sum()
+    rejected_rewards_sum = (rewards * ~labels).sum()
+    return losses.sum() / logps.shape[0], chosen_rewards_sum, rejected_rewards_sum
+
+
+class ChunkedKTOLoss(torch.nn.Module):
+    """Token-chunked linear + KTO loss (plain autograd; see the module docstring for formulas/metrics).
+
+    Args (same names/defaults as ``LigerFusedLinearKTOLoss`` 0.8.5 and TRL 1.13 ``FusedLinearKTOLoss``):
+        ignore_index, beta, use_ref_model, average_log_prob: as in Liger.
+        compiled: accepted and **ignored** (nothing is compiled).
+        chunk_size: accepted and **ignored** (Liger's chunk counts rows; the result does not depend on it).
+        token_chunk_size: (our own keyword) non-ignored tokens projected per chunk; ``None`` = auto.
+    """
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        beta: float = 0.1,
+        compiled: bool = True,
+        use_ref_model: bool = False,
+        average_log_prob: bool = False,
+        chunk_size: int = 1,
+        token_chunk_size: Optional[int] = None,
+    ):
+        super().__init__()
+        if token_chunk_size is not None:
+            resolve_token_chunk_size(token_chunk_size, 1)
+        self.ignore_index = ignore_index
+        self.beta = beta
+        self.compiled = compiled
+        self.use_ref_model = use_ref_model
+        self.average_log_prob = average_log_prob
+        self.chunk_size = chunk_size
+        self.token_chunk_size = token_chunk_size
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, use_ref_model={self.use_ref_model}, token_chunk_size={self.token_chunk_size}"
+
+    def _seq_logps(self, hidden, weight, bias, target):
+        logp, rows, counts = token_logprobs(hidden, weight, bias, target, self.ignore_index, self.token_chunk_size)
+        seq = sequence_sums(logp, rows, target.shape[0])
+        if self.average_log_prob:
+            seq = seq / counts
+        return seq
+
+    def forward(
+        self,
+        _input: torch.Tensor,
+        lin_weight: torch.Tensor,
+        target: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        preference_labels: Optional[torch.Tensor] = None,
+        ref_input: Optional[torch.Tensor] = None,
+        ref_weight: Optional[torch.Tensor] = None,
+        ref_bias: Optional[torch.Tensor] = None,
+        kl: Optional[torch.Tensor] = None,
+    ):
+        """
+        Args:
+            _input: ``(B, L, H)`` hidden states; lin_weight ``(V, H)``; target ``(B, L)``; bias ``(V,)``/None.
+            preference_labels: ``(B,)`` bool (True = desirable); required (Liger asserts it, so do we).
+            ref_input / ref_weight / ref_bias: reference model counterparts (only if ``use_ref_model``).
+            kl: scalar or ``(B,)`` KL estimate ``z_0`` (treated as a constant), or None.
+        Returns:
+            ``(loss, (chosen_logps_sum, rejected_logps_sum, chosen_logits_sum, rejected_logits_sum,
+            chosen_rewards_sum, rejected_rewards_sum))``.
+        """
+        if preference_labels is None:
+            # Same exception type as Liger's `assert preference_labels is not None, ...`
+            raise AssertionError("preference_labels must be provided for unpaired preference loss")
+        _check_reference(self.use_ref_model, ref_input, ref_weight)
+        labels = preference_labels.to(device=_input.device, dtype=torch.bool)
+        logps = self._seq_logps(_input, lin_weight, bias, target)
+        ref_logps = None
+        if self.use_ref_model:
+            with torch.no_grad():
+                ref_logps = self._seq_logps(ref_input, ref_weight, ref_bias, target)
+        if kl is not None and isinstance(kl, torch.Tensor):
+            kl = kl.detach()
+        loss, chosen_rewards_sum, rejected_rewards_sum = kto_preference_loss(
+            logps, labels, ref_logps, beta=self.beta, kl=kl
+        )
+        with torch.no_grad():
+            lg = logps.detach()
+            chosen_logps_sum = (lg * labels).sum()
+            rejected_logps_sum = (lg * ~labels).sum()
+            row_sums = row_logit_sums(_input, lin_weight, bias)
+            chosen_logits_sum = (row_sums * labels).sum()
+            rejected_logits_sum = (row_sums * ~labels).sum()
+        metrics = (
+            chosen_logps_sum,
+            rejected_logps_sum,
+            chosen_logits_sum,
+            rejected_logits_sum,
+            chosen_rewards_sum.detach(),
+            rejected_rewards_sum.detach(),
+        )
+        return loss, metrics
