@@ -11,6 +11,9 @@ def build(directory: str | Path, vocab_size: int = REAL_VOCAB, seed: int = 0) ->
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     directory = Path(directory)
     specials = ["<pad>", "<eos>", "<unk>"]
