@@ -43,7 +43,7 @@ class Patch:
     """
 
     name: str
-    module: str  # importing this module triggers the patch
+    module: tuple[str, ...]  # importing any of these modules triggers the patch (the class may move between releases)
     attribute: tuple[str, ...]  # dotted paths inside ``module``; the first one present is the target
     distribution: str  # the installed distribution whose version gates the patch
     affected: str  # PEP 440 specifier: releases known to carry the bug
@@ -55,7 +55,7 @@ class Patch:
 
     @property
     def target(self) -> str:
-        return f"{self.module}:{'|'.join(self.attribute)}"
+        return f"{'|'.join(self.module)}:{'|'.join(self.attribute)}"
 
 
 @dataclass
@@ -131,7 +131,7 @@ class Engine:
         """Hook every target module; a module that is already imported is patched at once."""
         import wrapt
 
-        for module in dict.fromkeys(r.module for r in self.records.values()):
+        for module in self._modules():
             if module not in self._hooked:
                 self._hooked.add(module)
                 wrapt.register_post_import_hook(self._on_import, module)
@@ -143,7 +143,7 @@ class Engine:
             for name, record in self.records.items():
                 if name not in self._applied and self._status[name].status != PENDING:
                     self._status[name] = self._initial(record)
-            for module in dict.fromkeys(r.module for r in self.records.values()):
+            for module in self._modules():
                 if module in sys.modules:
                     self._on_import(sys.modules[module])
 
@@ -172,29 +172,32 @@ class Engine:
         """Import every target module still pending, so the report says what would happen in a real run."""
         import importlib
 
-        for module in dict.fromkeys(r.module for r in self.records.values()):
-            names = [n for n, r in self.records.items() if r.module == module]
-            if not any(self._status[n].status == PENDING for n in names):
+        errors: dict[str, str] = {}
+        for module in self._modules():
+            if not any(self._status[n].status == PENDING for n, r in self.records.items() if module in r.module):
                 continue
             try:
                 importlib.import_module(module)
-            except ImportError as exc:
-                for name in names:
-                    if self._status[name].status == PENDING:
-                        self._set(name, NOT_NEEDED, f"{module} cannot be imported ({exc}); nothing to patch")
             except PatchError:
                 raise
+            except ImportError as exc:
+                errors[module] = f"{module} cannot be imported ({exc})"
             except Exception as exc:  # the host library itself failed to import
-                for name in names:
-                    if self._status[name].status == PENDING:
-                        self._set(name, FAILED, f"importing {module} raised {type(exc).__name__}: {exc}")
+                errors[module] = f"importing {module} raised {type(exc).__name__}: {exc}"
+        for name, record in self.records.items():
+            if self._status[name].status == PENDING:
+                why = "; ".join(errors.get(m, f"{m} was not imported") for m in record.module)
+                self._set(name, NOT_NEEDED, f"{why}; nothing to patch")
+
+    def _modules(self) -> list[str]:
+        return list(dict.fromkeys(m for r in self.records.values() for m in r.module))
 
     # -- hook ---------------------------------------------------------------------------------------------
     def _on_import(self, module: Any) -> None:
         with self._lock:
             if not self.enabled:
                 return
-            names = [n for n, r in self.records.items() if r.module == module.__name__]
+            names = [n for n, r in self.records.items() if module.__name__ in r.module]
             for name in names:
                 if name not in self._applied and self._status[name].status != DISABLED:
                     self._patch_one(self.records[name], module)
@@ -271,7 +274,7 @@ class Engine:
     def _initial(self, record: Patch) -> Status:
         if self.settings.is_disabled(record.name):
             return Status(record.name, record.target, DISABLED, "disabled by LIGER_DDP_PATCH_DISABLE")
-        return Status(record.name, record.target, PENDING, f"waiting for {record.module} to be imported")
+        return Status(record.name, record.target, PENDING, f"waiting for {' or '.join(record.module)} to be imported")
 
     def _set(self, name: str, status: str, reason: str) -> None:
         current = self._status[name]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from ..engine import Patch
 from . import chunked_loss, compute_loss
 
-TRL_DPO = "trl.trainer.dpo_trainer"
-TRL_KTO = "trl.trainer.kto_trainer"
+TRL_DPO = ("trl.trainer.dpo_trainer",)
+TRL_KTO = ("trl.trainer.kto_trainer",)
 
 # Releases whose trainer code we have read (wheel by wheel). A version not listed is "unknown": the shape check decides.
 TRL_RELEASES = (
