@@ -2,7 +2,8 @@
 
 Each rank trains on different rows, so gradients that were never all-reduced differ. Rank 0 writes a JSON result to
 ``--out``. ``PROBE_PATCH`` says how the package arrives: ``before`` (imported before TRL), ``after`` (after
-``from trl import ...``), ``none`` (never imported here; a ``sitecustomize`` may still bring it).
+``from trl import ...``), ``late`` (after the trainers are built), ``none`` (never imported here; a
+``sitecustomize`` may still bring it).
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def run_one(kind: str, assets: str, args) -> dict:
         def on_pre_optimizer_step(self, _args, state, control, **kwargs):
             result.update(compare_across_ranks(trainer.accelerator.unwrap_model(trainer.model)))
 
+    if PATCH_MODE == "late":
+        import liger_ddp_patch  # noqa: F401  (the trainer already holds a fused loss: the patch must convert it)
     trainer.add_callback(GradProbe())
     trainer.train()
     result["loss_class"] = type(getattr(trainer, "liger_loss", None)).__name__

@@ -1,0 +1,62 @@
+"""The command line, in real subprocesses (the CLI imports TRL, ~10 s each)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "liger_ddp_patch", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
+
+
+def test_status_json_resolves_pending_and_reports_every_patch():
+    proc = cli("status", "--json")
+    rows = {row["name"]: row for row in json.loads(proc.stdout)}
+    assert set(rows) == {"dpo_compute_loss", "kto_compute_loss", "dpo_chunked_loss", "kto_chunked_loss"}
+    import trl
+
+    for row in rows.values():
+        assert row["status"] != "pending"
+        assert row["version"] == trl.__version__
+    assert proc.returncode == (0 if all(r["status"] in ("applied", "not_needed") for r in rows.values()) else 1)
+
+
+def test_status_table_says_disabled():
+    proc = cli("status", env={"LIGER_DDP_PATCH_DISABLE": "1"})
+    assert proc.returncode == 0
+    lines = [line for line in proc.stdout.splitlines() if "disabled by LIGER_DDP_PATCH_DISABLE" in line]
+    assert len(lines) == 4
+
+
+def test_status_json_single_name_disabled():
+    rows = json.loads(cli("status", "--json", env={"LIGER_DDP_PATCH_DISABLE": "dpo_chunked_loss"}).stdout)
+    statuses = {row["name"]: row["status"] for row in rows}
+    assert statuses["dpo_chunked_loss"] == "disabled"
+    assert statuses["dpo_compute_loss"] != "disabled"
+
+
+def test_run_puts_the_bootstrap_first_and_execs():
+    probe = "import sys, liger_ddp_patch.bootstrap as b; print('liger_ddp_patch' in sys.modules, sys.path[1] == b.FOLDER)"
+    proc = cli("run", "--", sys.executable, "-c", probe)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True"]
+
+
+def test_run_without_a_command_explains_usage():
+    proc = cli("run")
+    assert proc.returncode == 2
+    assert "usage: liger-ddp-patch run -- torchrun" in proc.stderr
+
+
+def test_unknown_subcommand_is_rejected():
+    proc = cli("frobnicate")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr

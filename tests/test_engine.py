@@ -1,0 +1,242 @@
+"""The engine on a synthetic library: hooks, version gate, shape check, idempotence, undo, strictness, logging."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import sys
+import textwrap
+
+import pytest
+
+from liger_ddp_patch import engine as engine_mod
+from liger_ddp_patch.engine import Engine, Patch, PatchError
+from liger_ddp_patch.settings import Settings
+
+_counter = itertools.count()
+
+BROKEN = '''
+class Trainer:
+    def step(self, x):
+        return "broken"
+'''
+FIXED = '''
+class Trainer:
+    def step(self, x):
+        return "fixed upstream"
+'''
+
+
+@pytest.fixture
+def fakelib(tmp_path, monkeypatch):
+    """Write a throw-away module (new name each test, so wrapt's per-name hooks never collide) and return its name."""
+
+    def make(source: str = BROKEN) -> str:
+        name = f"fakelib_{next(_counter)}"
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        return name
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return make
+
+
+def record(module: str, *, calls: list | None = None, **overrides) -> Patch:
+    def check(original):
+        return None if "broken" in original(None, None) else "step() no longer returns 'broken'"
+
+    def replace(original):
+        if calls is not None:
+            calls.append(original)
+
+        def step(self, x):
+            return "patched"
+
+        step.__wrapped__ = original
+        return step
+
+    fields = dict(
+        name="fix_step",
+        module=(module,),
+        attribute=("Trainer.step",),
+        distribution="fakelib",
+        affected=">=1.9.0,<1.14.0",
+        fixed_in="1.14.0",
+        releases=("1.8.0", "1.9.0", "1.12.0", "1.14.0"),
+        check=check,
+        replace=replace,
+        summary="step() fixed",
+    )
+    fields.update(overrides)
+    return Patch(**fields)
+
+
+def run(module: str, version: str | None, monkeypatch, settings=Settings(), **overrides) -> tuple[Engine, object]:
+    monkeypatch.setattr(engine_mod, "installed_version", lambda dist: version)
+    engine = Engine([record(module, **overrides)], settings)
+    engine.install()
+    return engine, importlib.import_module(module)
+
+
+def status(engine: Engine):
+    (only,) = engine.report()
+    return only
+
+
+def test_patches_on_import_and_unpatch_restores_the_same_object(fakelib, monkeypatch):
+    name = fakelib()
+    engine, mod = run(name, "1.12.0", monkeypatch)
+    assert mod.Trainer().step(1) == "patched"
+    assert status(engine).status == "applied" and status(engine).version == "1.12.0"
+    original = engine.original("fix_step")
+    engine.unpatch()
+    assert mod.Trainer.__dict__["step"] is original
+    assert mod.Trainer().step(1) == "broken"
+    assert status(engine).status == "disabled" and "unpatch()" in status(engine).reason
+
+
+def test_module_imported_before_install_is_patched_at_once(fakelib, monkeypatch):
+    name = fakelib()
+    mod = importlib.import_module(name)
+    monkeypatch.setattr(engine_mod, "installed_version", lambda dist: "1.12.0")
+    engine = Engine([record(name)], Settings())
+    assert status(engine).status == "pending"
+    engine.install()
+    assert mod.Trainer().step(1) == "patched"
+
+
+def test_subclass_that_does_not_override_gets_the_fix(fakelib, monkeypatch):
+    name = fakelib(BROKEN + "\nclass Child(Trainer):\n    pass\n")
+    _, mod = run(name, "1.12.0", monkeypatch)
+    assert mod.Child().step(1) == "patched"
+
+
+def test_idempotent(fakelib, monkeypatch):
+    name = fakelib()
+    calls: list = []
+    engine, mod = run(name, "1.12.0", monkeypatch, calls=calls)
+    engine.install()
+    engine.apply()
+    engine.apply()
+    assert len(calls) == 1
+    assert mod.Trainer.__dict__["step"].__wrapped__ is engine.original("fix_step")
+
+
+def test_apply_after_unpatch_patches_again(fakelib, monkeypatch):
+    name = fakelib()
+    engine, mod = run(name, "1.12.0", monkeypatch)
+    engine.unpatch()
+    engine.apply()
+    assert mod.Trainer().step(1) == "patched" and status(engine).status == "applied"
+
+
+@pytest.mark.parametrize(
+    ("version", "source", "expected", "reason"),
+    [
+        ("1.14.0", BROKEN, "not_needed", "fixed upstream in fakelib 1.14.0 (installed 1.14.0)"),
+        ("1.8.0", BROKEN, "unsupported", "fakelib 1.8.0 is outside the affected range >=1.9.0,<1.14.0"),
+        ("2.0.0", BROKEN, "applied", "fakelib 2.0.0 is not a release we have verified, applied because the shape check"),
+        ("2.0.0", FIXED, "not_needed", "fakelib 2.0.0 is not a release we have read, and step() no longer returns"),
+        ("1.12.0", FIXED, "unsupported", "shape check failed: step() no longer returns 'broken'; left untouched"),
+        ("1.13.1", FIXED, "unsupported", "shape check failed"),
+        ("1.13.1", BROKEN, "applied", "not a release we have verified"),
+        ("not-a-version", BROKEN, "unsupported", "cannot read a valid fakelib version (got 'not-a-version')"),
+    ],
+)
+def test_version_gate_and_shape_check(fakelib, monkeypatch, version, source, expected, reason):
+    name = fakelib(source)
+    engine, mod = run(name, version, monkeypatch)
+    assert status(engine).status == expected
+    assert reason in status(engine).reason
+    patched = mod.Trainer().step(1) == "patched"
+    assert patched == (expected == "applied")
+
+
+def test_missing_attribute_is_reported(fakelib, monkeypatch):
+    name = fakelib("class Other:\n    pass\n")
+    engine, _ = run(name, "1.12.0", monkeypatch)
+    assert status(engine).status == "unsupported"
+    assert f"{name}:Trainer.step not found in fakelib 1.12.0" in status(engine).reason
+
+
+def test_first_present_candidate_attribute_wins(fakelib, monkeypatch):
+    name = fakelib(BROKEN)
+    engine, mod = run(name, "1.12.0", monkeypatch, attribute=("Missing.step", "Trainer.step"))
+    assert mod.Trainer().step(1) == "patched"
+
+
+def boom(original):
+    raise RuntimeError("kaboom")
+
+
+def test_a_patch_that_raises_never_breaks_the_host_import(fakelib, monkeypatch):
+    name = fakelib()
+    engine, mod = run(name, "1.12.0", monkeypatch, replace=boom)
+    assert mod.Trainer().step(1) == "broken"
+    assert status(engine).status == "failed"
+    assert status(engine).reason == "applying raised RuntimeError: kaboom"
+
+
+def test_strict_turns_could_not_patch_into_an_exception(fakelib, monkeypatch):
+    name = fakelib(FIXED)
+    with pytest.raises(PatchError, match=r"LIGER_DDP_PATCH_STRICT=1 .* fix_step \(unsupported\): shape check failed"):
+        run(name, "1.12.0", monkeypatch, settings=Settings(strict=True))
+
+
+def test_strict_does_not_raise_for_not_needed(fakelib, monkeypatch):
+    name = fakelib(FIXED)
+    engine, _ = run(name, "1.14.0", monkeypatch, settings=Settings(strict=True))
+    assert status(engine).status == "not_needed"
+
+
+def test_disabled_by_name(fakelib, monkeypatch):
+    name = fakelib()
+    engine, mod = run(name, "1.12.0", monkeypatch, settings=Settings(disabled=frozenset({"fix_step"})))
+    assert mod.Trainer().step(1) == "broken"
+    assert (status(engine).status, status(engine).reason) == ("disabled", "disabled by LIGER_DDP_PATCH_DISABLE")
+
+
+def test_summary_is_logged_on_the_main_process_only(fakelib, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="liger_ddp_patch")
+    monkeypatch.setenv("RANK", "1")
+    run(fakelib(), "1.12.0", monkeypatch)
+    assert not caplog.records
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    name = fakelib()
+    run(name, "1.12.0", monkeypatch)
+    (line,) = [r for r in caplog.records if name in r.getMessage()]
+    assert line.levelno == logging.INFO and "fix_step=applied" in line.getMessage()
+
+
+def test_failures_are_logged_as_warnings(fakelib, monkeypatch, caplog):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    name = fakelib(FIXED)
+    run(name, "1.12.0", monkeypatch)
+    (line,) = [r for r in caplog.records if name in r.getMessage()]
+    assert line.levelno == logging.WARNING and "fix_step=unsupported (shape check failed" in line.getMessage()
+
+
+def test_concurrent_imports_patch_once(fakelib, monkeypatch):
+    import threading
+
+    names = [fakelib(), fakelib()]
+    calls: list = []
+    monkeypatch.setattr(engine_mod, "installed_version", lambda dist: "1.12.0")
+    records = [record(n, calls=calls, name=f"fix_{i}") for i, n in enumerate(names)]
+    engine = Engine(records, Settings())
+    engine.install()
+    barrier = threading.Barrier(4)
+
+    def worker(name):
+        barrier.wait()
+        importlib.import_module(name)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in names * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 2
+    assert all(sys.modules[n].Trainer().step(1) == "patched" for n in names)
