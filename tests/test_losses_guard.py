@@ -165,7 +165,8 @@ def test_usable_without_trl_and_liger_installed():
         t = torch.randint(0, 11, (4, 6)); t[:, :2] = -100
         loss, m = ChunkedDPOLoss(use_ref_model=False)(w, h, t)
         loss.backward()
-        loss, m = ChunkedKTOLoss()(_input=h, lin_weight=w, target=t, preference_labels=torch.tensor([1, 0, 1, 0]).bool())
+        labels = torch.tensor([1, 0, 1, 0]).bool()
+        loss, m = ChunkedKTOLoss()(_input=h, lin_weight=w, target=t, preference_labels=labels)
         loss.backward()
         print('OK')
         """

@@ -57,7 +57,8 @@ def _compare(tag, names, ours, ref, rtol=RTOL, atol=ATOL):
         ok, err = close(a, b, rtol, atol)
         _record(tag, name, err)
         if not ok:
-            bad.append(f"{name}: max abs err {err:.3g} (ours {a.flatten()[:4].tolist()}, ref {b.flatten()[:4].tolist()})")
+            head = f"(ours {a.flatten()[:4].tolist()}, ref {b.flatten()[:4].tolist()})"
+            bad.append(f"{name}: max abs err {err:.3g} {head}")
     assert not bad, "\n".join(bad)
 
 

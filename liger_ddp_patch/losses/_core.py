@@ -116,7 +116,8 @@ class TokenLogProbs(torch.autograd.Function):
         logp, lse = _forward_chunks(hidden2d, weight, bias, positions, labels, chunk)
         ctx.chunk = chunk
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(hidden2d, weight, bias if bias is not None else weight.new_empty(0), positions, labels, lse)
+        saved_bias = bias if bias is not None else weight.new_empty(0)
+        ctx.save_for_backward(hidden2d, weight, saved_bias, positions, labels, lse)
         return logp
 
     @staticmethod
@@ -189,7 +190,8 @@ def token_logprobs(hidden, weight, bias, target, ignore_index, token_chunk_size=
     rows = torch.div(positions, L, rounding_mode="floor") if L > 0 else positions
     counts = mask.sum(dim=1)
     hidden2d = hidden.reshape(B * L, H)
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+    needs_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    if torch.is_grad_enabled() and needs_grad:
         logp = TokenLogProbs.apply(hidden2d, weight, bias, positions, labels, chunk)
     else:
         with torch.no_grad():

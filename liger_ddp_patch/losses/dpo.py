@@ -50,7 +50,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._core import check_reference as _check_reference, resolve_token_chunk_size, row_logit_sums, sequence_sums, token_logprobs
+from ._core import check_reference as _check_reference
+from ._core import resolve_token_chunk_size, row_logit_sums, sequence_sums, token_logprobs
 
 __all__ = ["ChunkedDPOLoss", "dpo_preference_loss", "SUPPORTED_DPO_LOSS_TYPES"]
 

@@ -32,7 +32,8 @@ from typing import Optional
 
 import torch
 
-from ._core import check_reference as _check_reference, resolve_token_chunk_size, row_logit_sums, sequence_sums, token_logprobs
+from ._core import check_reference as _check_reference
+from ._core import resolve_token_chunk_size, row_logit_sums, sequence_sums, token_logprobs
 
 __all__ = ["ChunkedKTOLoss", "kto_preference_loss"]
 
