@@ -119,7 +119,9 @@ def run_one(kind: str, assets: str, args) -> dict:
         import liger_ddp_patch  # noqa: F401  (the trainer already holds a fused loss: the patch must convert it)
     trainer.add_callback(GradProbe())
     trainer.train()
-    result["loss_class"] = type(getattr(trainer, "liger_loss", None)).__name__
+    # The fused loss is `liger_loss` from TRL 1.8.0, `liger_loss_fn`/`kto_loss_fn` before (see patches.trl_versions).
+    loss = next((getattr(trainer, a) for a in ("liger_loss", "liger_loss_fn", "kto_loss_fn") if getattr(trainer, a, None)), None)
+    result["loss_class"] = type(loss).__name__
     return result
 
 

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from ..engine import Patch
-from . import chunked_loss, compute_loss
+from . import chunked_loss, compute_loss, trl_versions
 
-TRL_DPO = ("trl.trainer.dpo_trainer",)
-TRL_KTO = ("trl.trainer.kto_trainer",)
+TRL_DPO = (trl_versions.DPO_MODULE,)
+# KTOTrainer is defined in trl.experimental.kto.kto_trainer in 1.0.0-1.7.1 (trl.trainer.kto_trainer re-exports a
+# subclass there) and in trl.trainer.kto_trainer from 1.8.0 (trl.experimental.kto re-exports it). Whichever defines the
+# class is patched; in the other, the attribute is not the class's own and the record is already applied.
+TRL_KTO = (trl_versions.KTO_STABLE, trl_versions.KTO_EXPERIMENTAL)
 
-# Releases whose trainer code we have read (wheel by wheel). A version not listed is "unknown": the shape check decides.
-TRL_RELEASES = (
-    "1.0.0", "1.1.0", "1.2.0", "1.3.0", "1.4.0", "1.5.0", "1.5.1", "1.6.0", "1.7.0", "1.7.1", "1.8.0",
-    "1.9.0", "1.9.1", "1.9.2", "1.10.0", "1.11.0", "1.12.0", "1.13.0",
-    "1.14.0", "1.14.1", "1.14.2", "1.15.0", "1.16.0",
-)  # fmt: skip
-AFFECTED = ">=1.9.0,<1.14.0"  # the ZeRO-3/FSDP-only guard (introduced by TRL #6372, fixed by #7243/#7247)
-FIXED_IN = "1.14.0"
+# Releases whose trainer code we have read (wheel by wheel), the affected range (1.0.0 up to the upstream fix:
+# before 1.9.0 the DDP wrapper crashes the Liger path, 1.9.0-1.13.0 skip the all-reduce) and the fix: all from
+# trl_versions, which the docs table and the version tests read too. Any other version is "unknown": shape decides.
+TRL_RELEASES = trl_versions.RELEASES
+AFFECTED = trl_versions.AFFECTED
+FIXED_IN = trl_versions.FIXED_IN
 
 _COMMON = dict(distribution="trl", affected=AFFECTED, fixed_in=FIXED_IN, releases=TRL_RELEASES)
 
@@ -26,7 +27,7 @@ PATCHES = (
         attribute=("DPOTrainer.compute_loss",),
         check=compute_loss.check,
         replace=compute_loss.replace,
-        summary="Liger DPO loss routed through the DDP wrapper's forward",
+        summary="Liger DPO loss run on the unwrapped model through the DDP wrapper's forward",
         **_COMMON,
     ),
     Patch(
@@ -35,7 +36,7 @@ PATCHES = (
         attribute=("KTOTrainer.compute_loss",),
         check=compute_loss.check,
         replace=compute_loss.replace,
-        summary="Liger KTO loss routed through the DDP wrapper's forward",
+        summary="Liger KTO loss run on the unwrapped model through the DDP wrapper's forward",
         **_COMMON,
     ),
     Patch(

@@ -54,10 +54,18 @@ dpo_check, dpo_replace = _checker("dpo"), _replacer("dpo")
 kto_check, kto_replace = _checker("kto"), _replacer("kto")
 
 
+# Where each release keeps the fused loss it built: ``liger_loss`` (1.8.0+), ``liger_loss_fn`` (DPO before 1.8.0, KTO
+# 1.6.0-1.7.1), ``kto_loss_fn`` (KTO 1.0.0-1.5.1). See trl_versions.LINES.
+LOSS_ATTRIBUTES = ("liger_loss", "liger_loss_fn", "kto_loss_fn")
+
+
 def adopt_stale_loss(trainer: Any) -> None:
     """Swap a fused loss built before the patch for ours, keeping its settings (cheap no-op otherwise)."""
-    loss = getattr(trainer, "liger_loss", None)
-    if loss is None or type(loss).__module__.startswith("liger_ddp_patch."):
+    attribute = next((a for a in LOSS_ATTRIBUTES if getattr(trainer, a, None) is not None), None)
+    if attribute is None:
+        return
+    loss = getattr(trainer, attribute)
+    if type(loss).__module__.startswith("liger_ddp_patch."):
         return
     from .. import _engine
 
@@ -66,6 +74,6 @@ def adopt_stale_loss(trainer: Any) -> None:
         if original is not None and type(loss) is original:
             ours = _ours(kind)
             settings = {p: getattr(loss, p) for p in _shape.parameters(ours.__init__)[1:] if hasattr(loss, p)}
-            trainer.liger_loss = ours(**settings)
+            setattr(trainer, attribute, ours(**settings))
             log.info("liger_ddp_patch: replaced the %s built before the patch with %s", original.__name__, ours.__name__)
             return

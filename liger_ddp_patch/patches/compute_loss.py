@@ -5,6 +5,10 @@ DDP ``DistributedDataParallel.forward()`` never runs, its reducer is never armed
 Upstream's fix (TRL 1.14.0; PRs #7243 and #7247) redirects whenever ``model is not unwrapped_model``. We do the same,
 by calling the *original* ``compute_loss`` inside the wrapper's forward: everything else it does (the non-Liger path,
 the ZeRO-3/FSDP redirect, the re-raised image-token ``ValueError``) stays exactly TRL's own code.
+
+TRL 1.0.0-1.8.0 pass the DDP wrapper itself into the Liger path, which crashes (no ``get_decoder``/``base_model``
+on ``DistributedDataParallel``). The same replacement fixes that: the original runs on the unwrapped model, inside
+the wrapper's forward. Which releases have which shape: :mod:`.trl_versions`.
 """
 
 from __future__ import annotations
@@ -14,28 +18,110 @@ from typing import Any
 
 from . import _shape
 
-# What the 1.9.0-1.13.0 method looks like; each entry is one thing our replacement relies on.
-_BROKEN_SHAPE = {
-    "if self.use_liger_kernel:": "the `use_liger_kernel` branch",
-    "unwrapped_model = self.accelerator.unwrap_model(model)": "the unwrap of the model",
-    "if is_zero3 or self.is_fsdp_enabled:": "the ZeRO-3/FSDP-only redirect guard",
-    "self._forward_redirection(": "the `_forward_redirection` call",
-    "return self._compute_loss_liger(unwrapped_model, inputs, return_outputs)": "the unredirected Liger call",
+# The code shapes we know how to fix, by name (trl_versions.LINES says which release has which). Each entry is one
+# thing the replacement relies on; the check names the first one missing.
+SHAPES: dict[str, dict[str, str]] = {
+    # 1.9.0-1.13.0: the Liger call runs on the unwrapped model; only ZeRO-3/FSDP are redirected (TRL #6372, #7245).
+    "guarded": {
+        "if self.use_liger_kernel:": "the `use_liger_kernel` branch",
+        "unwrapped_model = self.accelerator.unwrap_model(model)": "the unwrap of the model",
+        "if is_zero3 or self.is_fsdp_enabled:": "the ZeRO-3/FSDP-only redirect guard",
+        "self._forward_redirection(": "the `_forward_redirection` call",
+        "return self._compute_loss_liger(unwrapped_model, inputs, return_outputs)": "the unredirected Liger call",
+    },
+    # 1.0.0-1.8.0 DPO, 1.5.0-1.8.0 KTO: the model the Trainer passed (the DDP wrapper) goes straight into the Liger
+    # path, which reaches for `get_decoder`/`base_model` and crashes. Given the unwrapped model inside the wrapper's
+    # forward, the very same code runs and DDP arms its reducer.
+    "unredirected": {
+        "if self.use_liger_kernel:": "the `use_liger_kernel` branch",
+        "return self._compute_loss_liger(model, inputs, return_outputs)": "the Liger call on the model passed in",
+    },
+    # 1.0.0-1.4.0 KTO (trl.experimental.kto): compute_loss hands the model to get_batch_loss_metrics, whose
+    # `self.args.use_liger_kernel` branch calls `_compute_loss_liger(model, batch)`: same crash, same fix.
+    "batch_metrics": {
+        "loss, metrics = self.get_batch_loss_metrics(model, inputs)": "the get_batch_loss_metrics call",
+    },
+}
+_BATCH_METRICS_LIGER = {
+    "if self.args.use_liger_kernel:": "the `args.use_liger_kernel` branch of get_batch_loss_metrics",
+    "self._compute_loss_liger(model, batch)": "the Liger call on the model passed in",
 }
 _SIGNATURE = ("self", "model", "inputs", "return_outputs", "num_items_in_batch")
+_FIXED = "model is not unwrapped_model"
+
+
+def _owner(func: Any) -> Any:
+    """The class that defines ``func`` (looked up by qualified name in its module's globals)."""
+    owner: Any = getattr(func, "__globals__", {})
+    for part in func.__qualname__.split(".")[:-1]:
+        owner = owner.get(part) if isinstance(owner, dict) else getattr(owner, part, None)
+    return owner if isinstance(owner, type) else None
+
+
+def shape(original: Any) -> tuple[str | None, str]:
+    """``(shape name, "")`` when ``original`` is a compute_loss we know how to fix, else ``(None, why not)``."""
+    if not callable(original):
+        return None, f"compute_loss is a {type(original).__name__}, not a function"
+    if _shape.parameters(original) != _SIGNATURE:
+        return None, f"compute_loss takes {_shape.parameters(original)}, expected {_SIGNATURE}"
+    source = _shape.source_of(original)
+    if source is None:
+        return None, "the source of compute_loss is not available, so its shape cannot be verified"
+    if _FIXED in source:
+        return None, "compute_loss already redirects when `model is not unwrapped_model` (upstream's fix)"
+    misses = {}
+    for name, required in SHAPES.items():
+        why = _shape.missing(source, required)
+        if why is None and name == "batch_metrics":
+            owner = _owner(original)
+            helper = _shape.source_of(getattr(owner, "get_batch_loss_metrics", None)) if owner else None
+            why = "get_batch_loss_metrics cannot be read" if helper is None else _shape.missing(helper, _BATCH_METRICS_LIGER)
+        if why is None:
+            if name != "guarded" and "_forward_redirection(" in source:
+                why = "it already calls `_forward_redirection` itself"
+            else:
+                return name, ""
+        misses[name] = why
+    return None, "no known shape matches: " + "; ".join(f"{name}: {why}" for name, why in misses.items())
 
 
 def check(original: Any) -> str | None:
-    if not callable(original):
-        return f"compute_loss is a {type(original).__name__}, not a function"
-    if _shape.parameters(original) != _SIGNATURE:
-        return f"compute_loss takes {_shape.parameters(original)}, expected {_SIGNATURE}"
-    source = _shape.source_of(original)
-    if source is None:
-        return "the source of compute_loss is not available, so its shape cannot be verified"
-    if "model is not unwrapped_model" in source:
-        return "compute_loss already redirects when `model is not unwrapped_model` (upstream's fix)"
-    return _shape.missing(source, _BROKEN_SHAPE)
+    name, why = shape(original)
+    return None if name else why
+
+
+def _uses_liger(trainer: Any) -> bool:
+    """``self.use_liger_kernel``; the 1.0.0-1.4.0 KTO trainer only has ``self.args.use_liger_kernel``."""
+    flag = getattr(trainer, "use_liger_kernel", None)
+    if flag is None:
+        flag = getattr(getattr(trainer, "args", None), "use_liger_kernel", False)
+    return bool(flag)
+
+
+def _redirect(wrapper: Any, inner: Any, method: Any, *args: Any) -> Any:
+    """Run ``method(*args)`` as ``inner``'s forward, called through ``wrapper`` so DDP's forward bookkeeping runs.
+
+    TRL 1.9+ trainers carry ``_forward_redirection``; older DPO/KTO trainers do not, so this is our own: swap
+    ``inner.forward`` for one call, call the wrapper with no inputs (DDP hands them straight to ``inner``), restore.
+    """
+    own = "forward" in vars(inner)
+    saved = vars(inner).get("forward")
+
+    def restore() -> None:
+        if own:
+            inner.forward = saved
+        else:
+            vars(inner).pop("forward", None)
+
+    def forward(*_: Any, **__: Any) -> Any:
+        restore()  # the method may call inner itself: give it the real forward
+        return method(*args)
+
+    inner.forward = forward
+    try:
+        return wrapper()
+    finally:
+        restore()
 
 
 def _is_sharded(trainer: Any) -> bool:
@@ -49,7 +135,7 @@ def replace(original: Any) -> Any:
 
     @functools.wraps(original)
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if getattr(self, "use_liger_kernel", False):
+        if _uses_liger(self):
             adopt_stale_loss(self)
             unwrapped = self.accelerator.unwrap_model(model)
             if model is not unwrapped and not _is_sharded(self):
@@ -57,7 +143,8 @@ def replace(original: Any) -> Any:
                 def run(unwrapped_model, inputs, return_outputs):
                     return original(self, unwrapped_model, inputs, return_outputs, num_items_in_batch)
 
-                return self._forward_redirection(model, unwrapped, run, unwrapped, inputs, return_outputs)
+                redirect = getattr(self, "_forward_redirection", None) or _redirect
+                return redirect(model, unwrapped, run, unwrapped, inputs, return_outputs)
         return original(self, model, inputs, return_outputs, num_items_in_batch)
 
     return compute_loss

@@ -1,0 +1,96 @@
+"""Per-release facts about TRL's DPO/KTO Liger path: the one place the patch records, the tests and the docs table read.
+
+Every fact here was read from the released wheel (``pip install --no-deps --target DIR trl==X``) and, where a run is
+recorded in :data:`OBSERVED`, measured with ``tests/test_matrix.py`` (2 ranks, CPU/gloo, one step, tiny Qwen3 with a
+151,936-token vocabulary). A release is grouped with others whose trainer code has the same *shape*; the shape names
+are the keys of :data:`liger_ddp_patch.patches.compute_loss.SHAPES` and say which shape check accepts the code.
+
+Upstream references: TRL issue #7245 (DDP gradients not synchronised), PR #6372 (introduced the ZeRO-3/FSDP-only
+redirect guard in 1.9.0), PRs #7243/#7247 (fixed in 1.14.0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KTO_STABLE = "trl.trainer.kto_trainer"
+KTO_EXPERIMENTAL = "trl.experimental.kto.kto_trainer"  # the real KTOTrainer in 1.0.0-1.7.1; a shim module elsewhere
+DPO_MODULE = "trl.trainer.dpo_trainer"
+
+FIXED_IN = "1.14.0"
+
+
+@dataclass(frozen=True)
+class Line:
+    """Consecutive releases that share one code shape (and so one bug, one fix and one way to verify it)."""
+
+    versions: tuple[str, ...]
+    dpo_shape: str  # compute_loss shape of DPOTrainer (see compute_loss.SHAPES), or "fixed"
+    kto_shape: str  # compute_loss shape of KTOTrainer
+    kto_module: str  # the module that defines KTOTrainer itself
+    fused: str  # where the fused losses the trainer builds come from
+    broken: str  # what goes wrong under plain DDP with use_liger_kernel=True, unpatched
+    unpatched: str  # what the 2-rank probe shows unpatched: "unsynced" | "crash" | "synced"
+
+    @property
+    def patched(self) -> bool:
+        return self.dpo_shape != "fixed"
+
+
+_CRASH_DECODER = (
+    "the DDP wrapper itself is passed into the Liger path, which crashes: "
+    "`AttributeError: 'DistributedDataParallel' object has no attribute 'get_decoder'` (DPO and KTO)"
+)
+_CRASH_BASE_MODEL = (
+    "the DDP wrapper itself is passed into the Liger path, which crashes: "
+    "`AttributeError: 'DistributedDataParallel' object has no attribute 'base_model'` (DPO and KTO)"
+)
+_UNSYNCED = (
+    "Liger loss runs on the unwrapped model unless ZeRO-3/FSDP (TRL #6372), so DDP never all-reduces the gradients "
+    "(TRL #7245): every rank silently trains its own model"
+)
+
+LINES: tuple[Line, ...] = (
+    Line(("1.0.0", "1.1.0", "1.2.0", "1.3.0", "1.4.0"), "unredirected", "batch_metrics", KTO_EXPERIMENTAL,
+         "liger_kernel.chunked_loss", _CRASH_DECODER, "crash"),
+    Line(("1.5.0", "1.5.1", "1.6.0", "1.7.0", "1.7.1"), "unredirected", "unredirected", KTO_EXPERIMENTAL,
+         "liger_kernel.chunked_loss", _CRASH_DECODER, "crash"),
+    Line(("1.8.0",), "unredirected", "unredirected", KTO_STABLE,
+         "liger_kernel.chunked_loss", _CRASH_BASE_MODEL, "crash"),
+    Line(("1.9.0", "1.9.1", "1.9.2", "1.10.0", "1.11.0", "1.12.0"), "guarded", "guarded", KTO_STABLE,
+         "liger_kernel.chunked_loss", _UNSYNCED, "unsynced"),
+    Line(("1.13.0",), "guarded", "guarded", KTO_STABLE,
+         "trl.losses (vendored; DPO also passes label_smoothing and discopop_tau)", _UNSYNCED, "unsynced"),
+    Line(("1.14.0", "1.14.1", "1.14.2"), "fixed", "fixed", KTO_STABLE,
+         "chunked log-prob path for DPO (TRL #7243); guard fixed: `self.is_fsdp_enabled or model is not unwrapped_model`",
+         "nothing (fixed upstream in TRL 1.14.0)", "synced"),
+    Line(("1.15.0", "1.16.0"), "fixed", "fixed", KTO_STABLE,
+         "use_liger_kernel deprecated for the DPO/KTO losses", "nothing (fixed upstream in TRL 1.14.0)", "synced"),
+)  # fmt: skip
+
+# Which releases CI always runs in the 2-rank matrix; the rest need LIGER_DDP_PATCH_FULL_MATRIX=1.
+ALWAYS = ("1.4.0", "1.8.0", "1.9.0", "1.12.0", "1.13.0", "1.14.0")
+
+RELEASES: tuple[str, ...] = tuple(v for line in LINES for v in line.versions)
+AFFECTED = f">={RELEASES[0]},<{FIXED_IN}"
+
+# Measured with tests/test_matrix.py (liger-kernel 0.8.5, torch 2.13 CPU, transformers 5.24, accelerate 1.16):
+# trainer -> (unpatched, patched); an int is "parameters whose gradients differ across ranks" (out of 25), a str is
+# the exception the run ended with. Releases absent here have not been run yet.
+OBSERVED: dict[str, dict[str, tuple[int | str, int | str]]] = {}
+
+
+def line_of(version: str) -> Line | None:
+    return next((line for line in LINES if version in line.versions), None)
+
+
+def expected_status(version: str, patch: str) -> str:
+    """What ``liger_ddp_patch.report()`` must say for ``patch`` under this release."""
+    line = line_of(version)
+    if line is None:
+        raise KeyError(f"TRL {version} is not a release we have read")
+    return "applied" if line.patched else "not_needed"
+
+
+def tier(version: str) -> str:
+    return "always" if version in ALWAYS else "full"
