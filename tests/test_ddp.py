@@ -1,0 +1,97 @@
+"""Real 2-rank torchrun jobs (CPU, gloo): every fix shown against a control that exhibits the bug.
+
+TRL is whatever is installed (CI pins 1.12.0). Each test is one torchrun launch that runs a Liger DPO step and a
+Liger KTO step and compares every parameter's gradient across the two ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from liger_ddp_patch.demo import run_probe
+
+pytestmark = pytest.mark.ddp
+
+EXAMPLE = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "sitecustomize_example")
+TENSORWRAPPER = "Cannot access storage of TensorWrapper"
+
+
+def by_trainer(result: dict) -> dict:
+    return {r["trainer"]: r for r in result["results"]}
+
+
+def assert_in_sync(result: dict, *trainers: str) -> None:
+    runs = by_trainer(result)
+    for trainer in trainers or runs:
+        run = runs[trainer]
+        assert "error" not in run, run.get("trace", "") + result["log"][-3000:]
+        assert run["params"] == 25
+        assert (run["differing"], run["max_abs_diff"]) == (0, 0.0), run
+
+
+def assert_desynced(result: dict, *trainers: str) -> None:
+    runs = by_trainer(result)
+    for trainer in trainers or runs:
+        run = runs[trainer]
+        assert "error" not in run, run.get("trace", "")
+        assert run["differing"] > 0 and run["max_abs_diff"] > 0, run
+
+
+def test_unpatched_control_desyncs(tiny_real):
+    result = run_probe(tiny_real, "none")
+    assert result["report"] is None
+    assert_desynced(result)
+    assert by_trainer(result)["dpo"]["differing"] == 25
+
+
+def test_patched_real_vocab_is_in_sync(tiny_real):
+    result = run_probe(tiny_real, "before")
+    assert_in_sync(result)
+    assert {row["name"]: row["status"] for row in result["report"]} == {
+        "dpo_compute_loss": "applied",
+        "kto_compute_loss": "applied",
+        "dpo_chunked_loss": "applied",
+        "kto_chunked_loss": "applied",
+    }
+    assert {r["loss_class"] for r in result["results"]} == {"ChunkedDPOLoss", "ChunkedKTOLoss"}
+
+
+@pytest.mark.parametrize("trainer", ["dpo", "kto"])
+def test_redirect_alone_crashes_inside_ddp_with_the_fused_losses(tiny_real, trainer):
+    """Control for the chunked-loss patches: compute_loss redirected, fused losses kept -> TensorWrapper crash.
+
+    One trainer per launch: a crash inside a trainer step can leave autograd hooks behind for the next one.
+    """
+    env = {"LIGER_DDP_PATCH_DISABLE": "dpo_chunked_loss,kto_chunked_loss"}
+    (run,) = run_probe(tiny_real, "before", trainers=trainer, env=env)["results"]
+    assert TENSORWRAPPER in run.get("error", ""), run
+
+
+def test_import_after_trl(tiny_small):
+    assert_in_sync(run_probe(tiny_small, "after"))
+
+
+def test_trainer_built_before_the_patch_is_converted(tiny_real):
+    result = run_probe(tiny_real, "late")
+    assert_in_sync(result)
+    assert {r["loss_class"] for r in result["results"]} == {"ChunkedDPOLoss", "ChunkedKTOLoss"}
+
+
+def test_injected_by_sitecustomize_only(tiny_small):
+    result = run_probe(tiny_small, "none", pythonpath=(EXAMPLE,))
+    assert result["report"] is not None  # the package arrived without the script importing it
+    assert_in_sync(result)
+
+
+def test_opt_out_restores_the_bug(tiny_small):
+    result = run_probe(tiny_small, "before", env={"LIGER_DDP_PATCH_DISABLE": "1"})
+    assert_desynced(result)
+    assert {row["status"] for row in result["report"]} == {"disabled"}
+
+
+def test_opt_out_of_one_patch_by_name(tiny_small):
+    result = run_probe(tiny_small, "before", env={"LIGER_DDP_PATCH_DISABLE": "kto_compute_loss"})
+    assert_in_sync(result, "dpo")
+    assert_desynced(result, "kto")
+    statuses = {row["name"]: row["status"] for row in result["report"]}
+    assert statuses["kto_compute_loss"] == "disabled" and statuses["dpo_compute_loss"] == "applied"
