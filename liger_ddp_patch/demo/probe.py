@@ -97,10 +97,15 @@ def run_one(kind: str, assets: str, args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(assets, dtype=torch.float32)
     config = config_cls(
         output_dir=tempfile.mkdtemp(prefix=f"probe-{kind}-"),
-        use_liger_kernel=True,
+        use_liger_kernel=not args.no_liger,
         liger_kernel_config=NO_TRITON,
         per_device_train_batch_size=args.batch_size,
-        max_steps=1,
+        per_device_eval_batch_size=args.batch_size,
+        max_steps=args.steps,
+        gradient_accumulation_steps=args.grad_accum,
+        eval_strategy="steps" if args.eval_steps else "no",
+        eval_steps=args.eval_steps or None,
+        bf16=args.bf16,
         max_length=64,
         use_cpu=True,
         save_strategy="no",
@@ -109,7 +114,15 @@ def run_one(kind: str, assets: str, args) -> dict:
         seed=0,
     )
     result: dict = {"trainer": kind}
-    trainer = trainer_cls(model=model, args=config, train_dataset=_dataset(kind, rank), processing_class=tokenizer)
+    # The eval set is the same on every rank: the Trainer shards it, so eval metrics are comparable across runs.
+    eval_dataset = _dataset(kind, 7) if args.eval_steps else None
+    trainer = trainer_cls(
+        model=model,
+        args=config,
+        train_dataset=_dataset(kind, rank),
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+    )
 
     class GradProbe(TrainerCallback):
         def on_pre_optimizer_step(self, _args, state, control, **kwargs):
@@ -119,6 +132,10 @@ def run_one(kind: str, assets: str, args) -> dict:
         import liger_ddp_patch  # noqa: F401  (the trainer already holds a fused loss: the patch must convert it)
     trainer.add_callback(GradProbe())
     trainer.train()
+    result["evals"] = [h for h in trainer.state.log_history if "eval_loss" in h]
+    if args.weights_out and rank == 0:
+        weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+        torch.save({k: v.detach().float().cpu() for k, v in weights.items()}, f"{args.weights_out}.{kind}.pt")
     # The fused loss is `liger_loss` from TRL 1.8.0, `liger_loss_fn`/`kto_loss_fn` before (see patches.trl_versions).
     loss = next((getattr(trainer, a) for a in ("liger_loss", "liger_loss_fn", "kto_loss_fn") if getattr(trainer, a, None)), None)
     result["loss_class"] = type(loss).__name__
@@ -131,6 +148,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trainers", default="dpo,kto")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=1, help="optimizer steps")
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (0: no evaluation)")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--no-liger", action="store_true", help="use_liger_kernel=False: the reference run")
+    parser.add_argument("--weights-out", help="rank 0 saves the final weights to WEIGHTS_OUT.<trainer>.pt")
     args = parser.parse_args(argv)
 
     if PATCH_MODE == "after":
