@@ -1,0 +1,174 @@
+"""The engine's decision on every TRL release we have read, on that release's real code, plus fake/unknown versions.
+
+Each TRL release lives in its own ``pip install --no-deps --target <root>/<version> trl==<version>`` folder; the root
+is ``$LIGER_DDP_PATCH_TRL_DIRS`` (default ``.cache/trl``; ``.ci/trl_matrix.sh`` creates it). A release whose folder is
+absent is skipped with a message saying how to create it. Each check runs in a subprocess with that folder first on
+``PYTHONPATH``, since one process can import only one TRL.
+
+Expectations come from :mod:`liger_ddp_patch.patches.trl_versions`, the same data the records and docs/versions.md use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from liger_ddp_patch.patches import NAMES, trl_versions as tv
+
+ROOT = Path(__file__).resolve().parents[1]
+HOW = "run `.ci/trl_matrix.sh` (or set LIGER_DDP_PATCH_TRL_DIRS to a folder of `pip install --target` dirs)"
+
+
+def trl_dir(version: str) -> Path | None:
+    """``<root>/<version>`` when it holds that TRL release, else ``None``."""
+    root = Path(os.environ.get("LIGER_DDP_PATCH_TRL_DIRS", ROOT / ".cache" / "trl"))
+    folder = root / version
+    return folder if (folder / "trl" / "__init__.py").exists() else None
+
+
+def require(version: str) -> Path:
+    folder = trl_dir(version)
+    if folder is None:
+        pytest.skip(f"TRL {version} is not unpacked under LIGER_DDP_PATCH_TRL_DIRS: {HOW}")
+    return folder
+
+
+# Runs in the subprocess: import the package, let it resolve every trainer module, report, and name the shape the
+# compute_loss checks see (on the original, whether or not it was replaced).
+_PROBE = r"""
+import json, sys
+import liger_ddp_patch
+from liger_ddp_patch.engine import _resolve
+from liger_ddp_patch.patches import PATCHES, compute_loss
+engine = liger_ddp_patch._engine
+engine.resolve_pending()
+import trl
+shapes = {}
+for record in PATCHES:
+    if record.check is not compute_loss.check:
+        continue
+    original = engine.original(record.name)
+    for module in record.module:
+        if original is None and module in sys.modules:
+            found = _resolve(sys.modules[module], record.attribute)
+            original = found[2] if found else None
+    shapes[record.name] = list(compute_loss.shape(original)) if original is not None else None
+print("RESULT" + json.dumps({"trl": trl.__version__, "file": trl.__file__, "shapes": shapes,
+                             "report": [s.as_dict() for s in liger_ddp_patch.report()]}))
+"""
+
+
+def engine_report(pythonpath: Path, extra_env: dict[str, str] | None = None) -> dict:
+    env = {**os.environ, **(extra_env or {}), "PYTHONPATH": os.pathsep.join([str(pythonpath), str(ROOT)])}
+    env.pop("LIGER_DDP_PATCH_DISABLE", None)
+    proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
+    assert line, f"no result (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    result = json.loads(line[len("RESULT") :])
+    result["statuses"] = {s["name"]: s for s in result["report"]}
+    return result
+
+
+FULL = os.environ.get("LIGER_DDP_PATCH_FULL_MATRIX") == "1"
+
+
+@pytest.mark.parametrize("version", tv.RELEASES)
+def test_release_report(version):
+    """On each release's real code: the status the data promises, and the shape check recognises the right shape.
+
+    ~20 s per release (a fresh interpreter imports transformers and TRL): the ``ALWAYS`` releases run every time,
+    the rest with ``LIGER_DDP_PATCH_FULL_MATRIX=1``.
+    """
+    if not FULL and tv.tier(version) != "always":
+        pytest.skip(f"TRL {version} is in the full matrix only: set LIGER_DDP_PATCH_FULL_MATRIX=1")
+    folder = require(version)
+    result = engine_report(folder)
+    assert result["trl"] == version and result["file"].startswith(str(folder)), result["file"]
+    assert set(result["statuses"]) == NAMES
+    line = tv.line_of(version)
+    for name, status in result["statuses"].items():
+        assert status["status"] == tv.expected_status(version, name), status
+        assert status["version"] == version
+        if status["status"] == "not_needed":
+            assert f"fixed upstream in trl {tv.FIXED_IN}" in status["reason"], status
+    dpo, kto = result["shapes"]["dpo_compute_loss"], result["shapes"]["kto_compute_loss"]
+    if line.patched:
+        assert (dpo[0], kto[0]) == (line.dpo_shape, line.kto_shape), result["shapes"]
+        if line.kto_module == tv.KTO_EXPERIMENTAL:
+            assert "trl.experimental.kto.kto_trainer" in result["statuses"]["kto_chunked_loss"]["reason"]
+    else:  # fixed upstream: were the version unknown, the shape check alone would also leave it alone
+        for shape in (dpo, kto):
+            assert shape is None or shape[0] is None, result["shapes"]
+
+
+def _fake(tmp_path: Path, version: str, code_from: str) -> Path:
+    """A folder where ``trl`` is ``code_from``'s code but the installed metadata says ``version``."""
+    source = require(code_from)
+    folder = tmp_path / f"trl-{version}-from-{code_from}"
+    folder.mkdir()
+    (folder / "trl").symlink_to(source / "trl", target_is_directory=True)
+    info = folder / f"trl-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: trl\nVersion: {version}\n")
+    return folder
+
+
+def test_unknown_post_release_with_broken_code_is_patched_by_shape(tmp_path):
+    result = engine_report(_fake(tmp_path, "1.13.1", "1.13.0"))
+    for status in result["statuses"].values():
+        assert status["status"] == "applied", status
+        assert "not a release we have verified" in status["reason"] and "shape check matched" in status["reason"]
+
+
+def test_unknown_future_release_with_fixed_code_is_left_alone(tmp_path):
+    result = engine_report(_fake(tmp_path, "2.0.0", "1.14.0"))
+    for name, status in result["statuses"].items():
+        assert status["status"] == "not_needed", status
+        assert "2.0.0" in status["reason"] and tv.FIXED_IN in status["reason"], status
+    # what was checked is in the words: the guard already redirects / the fused loss is gone
+    assert "model is not unwrapped_model" in result["statuses"]["dpo_compute_loss"]["reason"]
+    assert "not found in trl 2.0.0" in result["statuses"]["dpo_chunked_loss"]["reason"]
+
+
+def test_unknown_future_release_with_broken_code_is_patched_only_by_shape(tmp_path):
+    """A 2.0.0 that still carried the 1.12 code: not a known release, so only the shape check lets it through."""
+    result = engine_report(_fake(tmp_path, "2.0.0", "1.12.0"))
+    assert {s["status"] for s in result["statuses"].values()} == {"applied"}
+    assert all("not a release we have verified" in s["reason"] for s in result["statuses"].values())
+
+
+def test_known_affected_release_with_unexpected_code_is_not_patched_blind(tmp_path):
+    """Metadata says 1.8.0 (affected) but the code is 1.16.0's: the shape check refuses, nothing is replaced."""
+    result = engine_report(_fake(tmp_path, "1.8.0", "1.16.0"))
+    for name in ("dpo_compute_loss", "kto_compute_loss"):
+        status = result["statuses"][name]
+        assert status["status"] == "unsupported", status
+        assert "shape check failed: no known shape matches" in status["reason"], status
+    for name in ("dpo_chunked_loss", "kto_chunked_loss"):
+        assert result["statuses"][name]["status"] == "unsupported"
+        assert "not found in trl 1.8.0" in result["statuses"][name]["reason"]
+
+
+def test_records_read_the_version_data():
+    from liger_ddp_patch.patches import PATCHES
+
+    for record in PATCHES:
+        assert record.releases == tv.RELEASES and record.affected == tv.AFFECTED and record.fixed_in == tv.FIXED_IN
+    assert tv.KTO_EXPERIMENTAL in next(p for p in PATCHES if p.name == "kto_compute_loss").module
+    assert set(tv.ALWAYS) <= set(tv.RELEASES) and set(tv.OBSERVED) <= set(tv.RELEASES)
+    for line in tv.LINES:
+        assert line.unpatched in ("unsynced", "crash", "synced")
+
+
+def test_docs_table_is_current():
+    from liger_ddp_patch import versions
+
+    path = ROOT / "docs" / "versions.md"
+    assert path.exists() and path.read_text() == versions.render(), (
+        "docs/versions.md is stale: run `python -m liger_ddp_patch.versions > docs/versions.md`"
+    )
