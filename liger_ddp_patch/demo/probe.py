@@ -131,6 +131,7 @@ def run_one(kind: str, assets: str, args) -> dict:
     if PATCH_MODE == "late":
         import liger_ddp_patch  # noqa: F401  (the trainer already holds a fused loss: the patch must convert it)
     trainer.add_callback(GradProbe())
+    result["callbacks"] = [type(c).__name__ for c in trainer.callback_handler.callbacks]  # e.g. the sync verifier
     trainer.train()
     result["evals"] = [h for h in trainer.state.log_history if "eval_loss" in h]
     if args.weights_out and rank == 0:
@@ -174,10 +175,13 @@ def main(argv: list[str] | None = None) -> None:
     if "liger_ddp_patch" in sys.modules:
         report = [s.as_dict() for s in sys.modules["liger_ddp_patch"].report()]
     import trl
+    from importlib import metadata
 
     if int(os.environ.get("RANK", "0")) == 0:
+        liger = metadata.version("liger-kernel")  # the version matrix puts other liger-kernel releases first on the path
         with open(args.out, "w") as fh:
-            json.dump({"trl": trl.__version__, "patch_mode": PATCH_MODE, "results": results, "report": report}, fh)
+            json.dump({"trl": trl.__version__, "liger_kernel": liger, "patch_mode": PATCH_MODE, "results": results,
+                       "report": report}, fh)  # fmt: skip
     if dist.is_initialized():
         dist.destroy_process_group()
 
