@@ -9,11 +9,13 @@ imported here: torch, transformers and trl load only when TRL itself does.
 
 from __future__ import annotations
 
+import sys
+
 from . import settings as _settings
 from .engine import Engine, PatchError, Status
 from .patches import NAMES as _NAMES, PATCHES as _PATCHES
 
-__all__ = ["PatchError", "Status", "apply", "report", "unpatch", "__version__"]
+__all__ = ["GradientDesyncError", "PatchError", "Status", "apply", "report", "unpatch", "verify_gradient_sync", "__version__"]
 __version__ = "0.1.0"
 
 _engine = Engine(_PATCHES, _settings.read(_NAMES))
@@ -27,6 +29,8 @@ def report() -> list[Status]:
 def unpatch() -> None:
     """Restore every patched attribute to the very object it replaced; later TRL imports stay unpatched."""
     _engine.unpatch()
+    if "liger_ddp_patch.verify" in sys.modules:  # LIGER_DDP_PATCH_VERIFY's Trainer.__init__ wrapper
+        sys.modules["liger_ddp_patch.verify"].uninstall_trainer_hook()
 
 
 def apply() -> None:
@@ -37,3 +41,31 @@ def apply() -> None:
 
 if not _engine.settings.disable_all:
     _engine.install()
+
+
+def verify_gradient_sync(trainer, every: int = 100):
+    """Raise :class:`GradientDesyncError` if ``trainer``'s gradients differ across ranks (step 0, then every ``every``)."""
+    from .verify import verify_gradient_sync
+
+    return verify_gradient_sync(trainer, every)
+
+
+def __getattr__(name: str):
+    if name == "GradientDesyncError":  # lazy: importing liger_ddp_patch must not import torch
+        from .verify import GradientDesyncError
+
+        return GradientDesyncError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _verify_every_trainer(module) -> None:  # post-import hook on transformers.trainer (LIGER_DDP_PATCH_VERIFY)
+    if _engine.enabled:  # not after unpatch()
+        from .verify import install_trainer_hook
+
+        install_trainer_hook(module, _engine.settings.verify_every)
+
+
+if _engine.settings.verify_every > 0:  # every Trainer verifies its gradients, even with the patches disabled
+    import wrapt
+
+    wrapt.register_post_import_hook(_verify_every_trainer, "transformers.trainer")

@@ -1,0 +1,237 @@
+"""Runtime check that DDP really synchronised the gradients: a ``TrainerCallback`` that compares them across ranks.
+
+At the first optimizer step and every ``every`` steps after, just before the optimizer consumes the gradients (after
+DDP's all-reduce and any gradient accumulation), every rank reduces each parameter's gradient to a few float64
+numbers (its *fingerprint*), one ``all_gather`` of the small ``[n_params, 5]`` table brings every rank's table to
+every rank, and all ranks compare it with rank 0's. If any parameter disagrees, every rank raises the same
+:class:`GradientDesyncError` (no rank is left waiting in a collective), naming the parameters and the ranks.
+
+    trainer = DPOTrainer(...)
+    liger_ddp_patch.verify_gradient_sync(trainer, every=100)   # or LIGER_DDP_PATCH_VERIFY=1 for every Trainer
+
+Tolerance. After an all-reduce every rank holds bitwise-identical gradients, and the fingerprint is computed by
+the same deterministic reductions on identical bits, so on homogeneous ranks the fingerprints are bitwise equal.
+Ranks on different hardware or thread counts may sum in another order; in float64 that moves a sum by at most
+~n*2**-53 of its scale (~1e-7 for a 10**9-element parameter, far less in practice). We therefore accept a
+difference up to ``rtol`` = 1e-7 of the parameter's L1 norm (of the sum of squares, for that column). A real desync
+(ranks that never all-reduced, or one that missed a micro-batch) differs by O(1e-3..1) of the norm: at least four
+orders of magnitude above the tolerance. ``NaN`` equals ``NaN`` and ``inf`` equals the same ``inf``.
+
+This module imports torch and transformers; :mod:`liger_ddp_patch` imports it only when a Trainer exists anyway.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+log = logging.getLogger("liger_ddp_patch")
+
+DEFAULT_EVERY = 100
+DEFAULT_RTOL = 1e-7
+HINT = (
+    "Each rank is training its own copy of the model. Is liger_ddp_patch applied? See `liger-ddp-patch status` "
+    "(TRL 1.9-1.13 DPO/KTO with use_liger_kernel=True need it under DDP)."
+)
+
+# Fingerprint columns. PRESENT: 1 = gradient, 0 = no gradient, -1 = sharded (DTensor), not compared.
+PRESENT, SUM, ABS_SUM, SUM_SQ, SAMPLED_DOT = range(5)
+COLUMNS = 5
+_SAMPLES = 64  # fixed-index samples per parameter for the weighted dot (catches permuted gradients)
+_CHUNK = 1 << 22  # elements upcast to float64 at a time: bounds the temporary memory to 32 MiB per parameter
+
+
+class GradientDesyncError(RuntimeError):
+    """Gradients differ across data-parallel ranks at an optimizer step: DDP did not synchronise them."""
+
+    def __init__(self, message: str, params: Sequence[str] = (), ranks: Sequence[int] = (), step: int | None = None):
+        super().__init__(message)
+        self.params = list(params)
+        self.ranks = list(ranks)
+        self.step = step
+
+
+# -- fingerprints -----------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=256)
+def _sampler(numel: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    count = min(numel, _SAMPLES)
+    index = torch.linspace(0, numel - 1, count, dtype=torch.float64).round().long().to(device)
+    weight = (1.0 + torch.arange(count, dtype=torch.float64) / count).to(device)  # distinct weights in [1, 2)
+    return index, weight
+
+
+def fingerprint(grad: torch.Tensor | None) -> torch.Tensor:
+    """``[COLUMNS]`` float64 on ``grad``'s device: present, sum, L1 norm, sum of squares, weighted fixed-index dot."""
+    if grad is None:
+        return torch.zeros(COLUMNS, dtype=torch.float64)
+    if type(grad).__name__ == "DTensor":  # tensor/FSDP2 sharding: each rank holds a different shard
+        return torch.tensor([-1.0, 0, 0, 0, 0], dtype=torch.float64)
+    flat = grad.detach().reshape(-1)
+    zero = torch.zeros((), dtype=torch.float64, device=flat.device)
+    total, l1, squares = zero, zero, zero
+    for start in range(0, flat.numel(), _CHUNK):
+        chunk = flat[start : start + _CHUNK].to(torch.float64)
+        total = total + chunk.sum()
+        l1 = l1 + torch.linalg.vector_norm(chunk, 1)
+        squares = squares + torch.dot(chunk, chunk)
+    if flat.numel():
+        index, weight = _sampler(flat.numel(), flat.device)
+        dot = torch.dot(flat[index].to(torch.float64), weight)
+    else:
+        dot = zero
+    return torch.stack([torch.ones_like(zero), total, l1, squares, dot])
+
+
+def fingerprints(grads: Sequence[torch.Tensor | None], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[len(grads), COLUMNS]`` float64 on ``device`` (one small copy per call, no host synchronisation)."""
+    if not grads:
+        return torch.zeros(0, COLUMNS, dtype=torch.float64, device=device)
+    return torch.stack([fingerprint(g).to(device) for g in grads])
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, rtol: float) -> torch.Tensor:
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    return same | ((a - b).abs() <= rtol * scale.abs())
+
+
+def disagreements(gathered: torch.Tensor, rtol: float = DEFAULT_RTOL) -> dict[int, list[int]]:
+    """``{parameter index: [ranks whose fingerprint differs from rank 0's]}`` for a ``[world, n, COLUMNS]`` table."""
+    gathered = gathered.detach().to("cpu", torch.float64)
+    ref = gathered[0]
+    out: dict[int, list[int]] = {}
+    for rank in range(1, gathered.shape[0]):
+        other = gathered[rank]
+        ok = ref[:, PRESENT] == other[:, PRESENT]
+        scale = torch.maximum(ref[:, ABS_SUM].abs(), other[:, ABS_SUM].abs())
+        values = (
+            _close(ref[:, SUM], other[:, SUM], scale, rtol)
+            & _close(ref[:, ABS_SUM], other[:, ABS_SUM], scale, rtol)
+            & _close(ref[:, SUM_SQ], other[:, SUM_SQ], torch.maximum(ref[:, SUM_SQ], other[:, SUM_SQ]), rtol)
+            & _close(ref[:, SAMPLED_DOT], other[:, SAMPLED_DOT], 2 * scale, rtol)
+        )
+        ok &= values | (ref[:, PRESENT] != 1)  # no gradient (or sharded) on both: nothing more to compare
+        for index in torch.nonzero(~ok).flatten().tolist():
+            out.setdefault(index, []).append(rank)
+    return out
+
+
+def describe(names: Sequence[str], bad: dict[int, list[int]], world: int, step: int | None, first: int = 5) -> str:
+    """The :class:`GradientDesyncError` message for :func:`disagreements`' answer."""
+    listed = [names[i] for i in sorted(bad)]
+    ranks = sorted({r for rs in bad.values() for r in rs})
+    shown = ", ".join(listed[:first]) + (f" (+{len(listed) - first} more)" if len(listed) > first else "")
+    where = f"at optimizer step {step}" if step is not None else "at this optimizer step"
+    return (
+        f"Gradients are NOT synchronised across the {world} data-parallel ranks {where}: "
+        f"{len(listed)} of {len(names)} parameters differ between rank 0 and rank{'s' if len(ranks) > 1 else ''} "
+        f"{', '.join(map(str, ranks))}: {shown}. {HINT}"
+    )
+
+
+# -- the callback -----------------------------------------------------------------------------------------------
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while isinstance(getattr(model, "module", None), torch.nn.Module):  # DDP and similar wrappers
+        model = model.module
+    return model
+
+
+def _comm_device() -> torch.device:
+    backend = str(dist.get_backend()).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class GradientSyncVerifier(TrainerCallback):
+    """Raise :class:`GradientDesyncError` when gradients differ across ranks (first step, then every ``every``)."""
+
+    def __init__(self, every: int = DEFAULT_EVERY, rtol: float = DEFAULT_RTOL):
+        if int(every) <= 0:
+            raise ValueError(f"every must be a positive number of optimizer steps, got {every!r}")
+        self.every = int(every)
+        self.rtol = rtol
+        self.checked_steps: list[int] = []
+        self._warned = False
+
+    def _sharded(self, args) -> bool:
+        return bool(getattr(args, "fsdp", None)) or bool(getattr(args, "deepspeed", None))
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if model is None or state.global_step % self.every:
+            return
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return
+        if self._sharded(args):  # FSDP/DeepSpeed shard gradients: ranks legitimately hold different values
+            if not self._warned:
+                self._warned = True
+                warnings.warn("liger_ddp_patch: gradient-sync verification skipped: FSDP/DeepSpeed shard gradients")
+            return
+        self.check(model, state.global_step)
+
+    def check(self, model: torch.nn.Module, step: int | None = None) -> None:
+        """Compare every parameter's gradient fingerprint across ranks now (a collective: call on every rank)."""
+        named = [(n, p) for n, p in _unwrap(model).named_parameters() if p.requires_grad]
+        device = _comm_device()
+        table = fingerprints([p.grad for _, p in named], device)
+        world = dist.get_world_size()
+        gathered = [torch.empty_like(table) for _ in range(world)]
+        dist.all_gather(gathered, table)
+        bad = disagreements(torch.stack(gathered), self.rtol)
+        if step is not None:
+            self.checked_steps.append(step)
+        if bad:
+            names = [n for n, _ in named]
+            ranks = sorted({r for rs in bad.values() for r in rs})
+            raise GradientDesyncError(
+                describe(names, bad, world, step), [names[i] for i in sorted(bad)], ranks, step
+            )
+        if dist.get_rank() == 0:
+            log.debug("liger_ddp_patch: gradients in sync across %d ranks at step %s (%d parameters)", world, step, len(named))
+
+
+def verify_gradient_sync(trainer, every: int = DEFAULT_EVERY) -> GradientSyncVerifier:
+    """Add (or re-time) the :class:`GradientSyncVerifier` on ``trainer`` and return it."""
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, GradientSyncVerifier):
+            callback.every = GradientSyncVerifier(every).every  # validates
+            return callback
+    verifier = GradientSyncVerifier(every)
+    trainer.add_callback(verifier)
+    return verifier
+
+
+# -- LIGER_DDP_PATCH_VERIFY: every Trainer gets the callback ------------------------------------------------------
+_ORIGINAL = "_liger_ddp_patch_original_init"
+
+
+def install_trainer_hook(module, every: int) -> None:
+    """Wrap ``module.Trainer.__init__`` (``transformers.trainer``) so every new Trainer verifies its gradients."""
+    trainer_cls = module.Trainer
+    original = vars(trainer_cls)["__init__"]
+    if hasattr(original, _ORIGINAL):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        verify_gradient_sync(self, every)
+
+    setattr(__init__, _ORIGINAL, original)
+    trainer_cls.__init__ = __init__
+
+
+def uninstall_trainer_hook() -> None:
+    """Put ``Trainer.__init__`` back (Trainers built earlier keep their callback)."""
+    import sys
+
+    module = sys.modules.get("transformers.trainer")
+    trainer_cls = getattr(module, "Trainer", None)
+    current = vars(trainer_cls).get("__init__") if trainer_cls is not None else None
+    if current is not None and hasattr(current, _ORIGINAL):
+        trainer_cls.__init__ = getattr(current, _ORIGINAL)
