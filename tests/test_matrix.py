@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -73,7 +74,9 @@ def _check_pair(version: str, unpatched: dict, patched: dict) -> None:
         if line.unpatched == "unsynced":
             assert "error" not in b and b["differing"] > 0, f"{kind}: the bug did not show unpatched: {b}"
         elif line.unpatched == "crash":
-            assert "AttributeError" in b.get("error", "") and "DistributedDataParallel" in b["error"], b
+            attribute = re.search(r"no attribute '(\w+)'", line.broken).group(1)
+            assert b.get("error", "").startswith("AttributeError") and "DistributedDataParallel" in b["error"], b
+            assert f"'{attribute}'" in b["error"], (attribute, b["error"])
         if line.patched:
             assert "error" not in a, f"{kind} patched crashed: {a.get('trace', a['error'])}"
             assert a["differing"] == 0 and a["params"] > 0, f"{kind}: gradients differ patched: {a}"

@@ -37,14 +37,15 @@ class Line:
         return self.dpo_shape != "fixed"
 
 
-_CRASH_DECODER = (
-    "the DDP wrapper itself is passed into the Liger path, which crashes: "
-    "`AttributeError: 'DistributedDataParallel' object has no attribute 'get_decoder'` (DPO and KTO)"
-)
-_CRASH_BASE_MODEL = (
-    "the DDP wrapper itself is passed into the Liger path, which crashes: "
-    "`AttributeError: 'DistributedDataParallel' object has no attribute 'base_model'` (DPO and KTO)"
-)
+
+
+def _crash(attribute: str) -> str:
+    return (
+        "the DDP wrapper itself is passed into the Liger path, which crashes: "
+        f"`AttributeError: 'DistributedDataParallel' object has no attribute '{attribute}'` (DPO and KTO)"
+    )
+
+
 _UNSYNCED = (
     "Liger loss runs on the unwrapped model unless ZeRO-3/FSDP (TRL #6372), so DDP never all-reduces the gradients "
     "(TRL #7245): every rank silently trains its own model"
@@ -52,20 +53,23 @@ _UNSYNCED = (
 
 LINES: tuple[Line, ...] = (
     Line(("1.0.0", "1.1.0", "1.2.0", "1.3.0", "1.4.0"), "unredirected", "batch_metrics", KTO_EXPERIMENTAL,
-         "liger_kernel.chunked_loss", _CRASH_DECODER, "crash"),
-    Line(("1.5.0", "1.5.1", "1.6.0", "1.7.0", "1.7.1"), "unredirected", "unredirected", KTO_EXPERIMENTAL,
-         "liger_kernel.chunked_loss", _CRASH_DECODER, "crash"),
+         "liger_kernel.chunked_loss", _crash("get_decoder"), "crash"),
+    Line(("1.5.0", "1.5.1"), "unredirected", "unredirected", KTO_EXPERIMENTAL,
+         "liger_kernel.chunked_loss", _crash("get_decoder"), "crash"),
+    Line(("1.6.0", "1.7.0", "1.7.1"), "unredirected", "unredirected", KTO_EXPERIMENTAL,
+         "liger_kernel.chunked_loss", _crash("model"), "crash"),
     Line(("1.8.0",), "unredirected", "unredirected", KTO_STABLE,
-         "liger_kernel.chunked_loss", _CRASH_BASE_MODEL, "crash"),
+         "liger_kernel.chunked_loss", _crash("base_model"), "crash"),
     Line(("1.9.0", "1.9.1", "1.9.2", "1.10.0", "1.11.0", "1.12.0"), "guarded", "guarded", KTO_STABLE,
          "liger_kernel.chunked_loss", _UNSYNCED, "unsynced"),
     Line(("1.13.0",), "guarded", "guarded", KTO_STABLE,
          "trl.losses (vendored; DPO also passes label_smoothing and discopop_tau)", _UNSYNCED, "unsynced"),
     Line(("1.14.0", "1.14.1", "1.14.2"), "fixed", "fixed", KTO_STABLE,
-         "chunked log-prob path for DPO (TRL #7243); guard fixed: `self.is_fsdp_enabled or model is not unwrapped_model`",
-         "nothing (fixed upstream in TRL 1.14.0)", "synced"),
+         "none built: DPO and KTO compute chunked log-probs themselves (TRL #7243)",
+         "nothing: the guard redirects whenever `model is not unwrapped_model` (TRL #7247)", "synced"),
     Line(("1.15.0", "1.16.0"), "fixed", "fixed", KTO_STABLE,
-         "use_liger_kernel deprecated for the DPO/KTO losses", "nothing (fixed upstream in TRL 1.14.0)", "synced"),
+         "none built (`use_liger_kernel` deprecated for the DPO/KTO losses)", "nothing (fixed upstream in TRL 1.14.0)",
+         "synced"),
 )  # fmt: skip
 
 # Which releases CI always runs in the 2-rank matrix; the rest need LIGER_DDP_PATCH_FULL_MATRIX=1.
