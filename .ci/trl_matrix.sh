@@ -21,13 +21,9 @@ PY="${PYTHON:-python}"
 prepare_only=0
 if [[ "${1:-}" == "--prepare-only" ]]; then prepare_only=1; shift; fi
 
-if [[ "${LIGER_DDP_PATCH_FULL_MATRIX:-}" == "1" ]]; then
-  versions=$("$PY" -c 'from liger_ddp_patch.patches.trl_versions import RELEASES; print(*RELEASES)')
-else
-  versions=$("$PY" -c 'from liger_ddp_patch.patches.trl_versions import ALWAYS; print(*ALWAYS)')
-fi
-# The fake-version tests borrow code from these releases.
-versions="$versions 1.12.0 1.13.0 1.14.0 1.16.0"
+full=False
+if [[ "${LIGER_DDP_PATCH_FULL_MATRIX:-}" == "1" ]]; then full=True; fi
+versions=$("$PY" -c "from liger_ddp_patch.patches.trl_versions import ci_versions; print(*ci_versions($full))")
 
 unpack() {  # unpack DIST VERSION ROOT MODULE
   local dir="$3/$2"
@@ -39,7 +35,7 @@ unpack() {  # unpack DIST VERSION ROOT MODULE
 }
 
 mkdir -p "$LIGER_DDP_PATCH_TRL_DIRS" "$LIGER_DDP_PATCH_LIGER_DIRS"
-for v in $(echo "$versions" | tr ' ' '\n' | sort -uV); do
+for v in $versions; do
   unpack trl "$v" "$LIGER_DDP_PATCH_TRL_DIRS" trl
 done
 unpack liger-kernel 0.8.2 "$LIGER_DDP_PATCH_LIGER_DIRS" liger_kernel

@@ -70,8 +70,10 @@ def render() -> str:
             )
     rows += [
         "",
-        "CI: `always` rows run on every CI run; `full` rows need `LIGER_DDP_PATCH_FULL_MATRIX=1` "
-        "(see `.ci/trl_matrix.sh`).",
+        "CI: `always` rows run both tests on every CI run; `report` rows run the engine-report test always and the "
+        "2-rank run only with `LIGER_DDP_PATCH_FULL_MATRIX=1`; `full` rows run both only with "
+        "`LIGER_DDP_PATCH_FULL_MATRIX=1` (see `.ci/trl_matrix.sh`). TRL 1.12.0 also runs always with liger-kernel "
+        "0.8.2 (`tests/test_matrix.py::test_liger_kernel_minimum`).",
         "",
     ]
     return "\n".join(rows)

@@ -72,8 +72,9 @@ LINES: tuple[Line, ...] = (
          "synced"),
 )  # fmt: skip
 
-# Which releases CI always runs in the 2-rank matrix; the rest need LIGER_DDP_PATCH_FULL_MATRIX=1.
-ALWAYS = ("1.4.0", "1.8.0", "1.9.0", "1.12.0", "1.13.0", "1.14.0")
+# Which releases CI always runs in the 2-rank matrix (one per kind of fix, ~2 torchrun runs each); the rest need
+# LIGER_DDP_PATCH_FULL_MATRIX=1. 1.12.0 also runs always, with liger-kernel 0.8.2 (tests/test_matrix.py).
+ALWAYS = ("1.8.0", "1.9.0", "1.13.0", "1.14.0")
 
 RELEASES: tuple[str, ...] = tuple(v for line in LINES for v in line.versions)
 AFFECTED = f">={RELEASES[0]},<{FIXED_IN}"
@@ -96,5 +97,19 @@ def expected_status(version: str, patch: str) -> str:
     return "applied" if line.patched else "not_needed"
 
 
+# The engine-report test (one interpreter per release, ~20 s) always runs the first release of every line.
+REPRESENTATIVES = tuple(line.versions[0] for line in LINES)
+# Releases whose code the fake-version tests borrow.
+FAKE_SOURCES = ("1.12.0", "1.13.0", "1.14.0", "1.16.0")
+
+
 def tier(version: str) -> str:
-    return "always" if version in ALWAYS else "full"
+    """``always``: 2-rank runs in every CI run; ``report``: only the engine report always; ``full``: only with
+    LIGER_DDP_PATCH_FULL_MATRIX=1."""
+    return "always" if version in ALWAYS else "report" if version in REPRESENTATIVES else "full"
+
+
+def ci_versions(full: bool) -> tuple[str, ...]:
+    """The TRL releases .ci/trl_matrix.sh must unpack."""
+    wanted = set(RELEASES) if full else {*ALWAYS, *REPRESENTATIVES, *FAKE_SOURCES, "1.12.0"}
+    return tuple(v for v in RELEASES if v in wanted)
