@@ -1,4 +1,4 @@
-"""``liger-ddp-patch status [--json] | demo | run -- CMD`` (also ``python -m liger_ddp_patch``)."""
+"""``liger-ddp-patch status [--json] | demo | run -- CMD | pth install|uninstall [--site-dir DIR]`` (also ``python -m liger_ddp_patch``)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,23 @@ def _run(command: list[str]) -> int:
         return 127
 
 
+def _pth(action: str, site_dir: str | None) -> int:
+    from liger_ddp_patch import pth
+
+    try:
+        done = pth.install(site_dir) if action == "install" else pth.uninstall(site_dir)
+    except pth.PthError as exc:
+        print(f"liger-ddp-patch pth {action}: {exc}", file=sys.stderr)
+        return 1
+    if action == "install":
+        print(f"wrote {done}: processes started with {pth.VARIABLE}=1 import liger_ddp_patch")
+        if not pth.is_site_dir(os.path.dirname(done)):
+            print(f"note: Python does not read .pth files from {os.path.dirname(done)} unless it is a site dir", file=sys.stderr)
+    else:
+        print(f"removed {done}" if done else f"nothing to remove: no {pth.path(site_dir)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="liger-ddp-patch", description="Restore DDP gradient sync for TRL's Liger DPO/KTO path.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", help="2-rank CPU before/after run on a tiny local model (about 1.5 minutes)", add_help=False)
     run = sub.add_parser("run", help="run CMD with every Python process it starts patched: run -- CMD ...")
     run.add_argument("cmd", nargs=argparse.REMAINDER)
+    pth = sub.add_parser("pth", help="install/uninstall a .pth that imports the package when LIGER_DDP_PATCH_AUTO=1")
+    pth.add_argument("action", choices=["install", "uninstall"])
+    pth.add_argument("--site-dir", default=None, help="default: this interpreter's site-packages (purelib)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from liger_ddp_patch.demo import main as demo
@@ -62,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "status":
         return _status(args.json)
+    if args.command == "pth":
+        return _pth(args.action, args.site_dir)
     return _run(args.cmd)
 
 
