@@ -53,8 +53,7 @@ def test_periodic_evaluation_matches_liger_off(runs, trainer):
             if k in b and k.startswith("eval_") and not k.startswith("eval_logits/")
             and "runtime" not in k and "per_second" not in k
         ]  # fmt: skip
-        assert {"eval_loss", "eval_rewards/chosen", "eval_logps/chosen"} <= set(shared) or trainer == "kto"
-        assert "eval_loss" in shared
+        assert "eval_loss" in shared and len(shared) >= 3, shared
         bad = {k: (a[k], b[k]) for k in shared if not math.isclose(a[k], b[k], rel_tol=TOL, abs_tol=TOL)}
         assert not bad, bad
 
