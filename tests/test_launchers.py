@@ -1,0 +1,70 @@
+"""Other ways users launch: `accelerate launch`, and multi-node `torchrun` (two "nodes" on loopback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from liger_ddp_patch.demo import PACKAGE_ROOT, PROBE
+
+pytestmark = pytest.mark.ddp
+
+EXAMPLE = str(Path(__file__).resolve().parents[1] / "sitecustomize_example")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_with(pythonpath: list[str], **extra: str) -> dict:
+    env = {**os.environ, "PROBE_PATCH": "none", "OMP_NUM_THREADS": "1", **extra}
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, PACKAGE_ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def probe_args(assets, out: Path, trainers: str = "dpo") -> list[str]:
+    return [str(PROBE), "--assets", str(assets), "--trainers", trainers, "--out", str(out)]
+
+
+def read(out: Path, procs: list[subprocess.CompletedProcess]) -> dict:
+    assert out.exists(), "\n".join(p.stdout[-2000:] + p.stderr[-3000:] for p in procs)
+    return json.loads(out.read_text())["results"][0]
+
+
+def test_accelerate_launch_with_sitecustomize(tiny_small, tmp_path):
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *probe_args(tiny_small, out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env_with([EXAMPLE]), capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    result = read(out, [proc])
+    assert (result["differing"], result["max_abs_diff"], result["loss_class"]) == (0, 0.0, "ChunkedDPOLoss"), result
+
+
+@pytest.mark.parametrize("injected", [False, True], ids=["control", "liger-ddp-patch-run"])
+def test_two_node_torchrun_on_loopback(tiny_small, tmp_path, injected):
+    """Two torchrun invocations, one process each; the package arrives only through `liger-ddp-patch run`."""
+    out = tmp_path / "result.json"
+    port = free_port()
+    prefix = [sys.executable, "-m", "liger_ddp_patch", "run", "--"] if injected else []
+    procs = [
+        subprocess.Popen(
+            [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
+             "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", *probe_args(tiny_small, out)],
+            env=env_with([]), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    done = [subprocess.CompletedProcess(p.args, p.wait(timeout=900), *p.communicate()) for p in procs]
+    result = read(out, done)
+    if injected:
+        assert (result["differing"], result["max_abs_diff"]) == (0, 0.0), result
+    else:
+        assert result["differing"] > 0, result
