@@ -33,8 +33,9 @@ def path(site_dir: str | os.PathLike | None = None) -> str:
 
 def _advice(site_dir: str) -> str:
     return (
-        f"pass --site-dir with a writable site directory that Python reads .pth files from (e.g. the user site: "
-        f"`python -m site --user-site`), or run with permission to write {site_dir}"
+        f"pass --site-dir with a writable site directory that Python reads .pth files from and that can import "
+        f"liger_ddp_patch and wrapt when it is read (the site-packages they are installed in, e.g. a venv's or the "
+        f"user site after `pip install --user`), or run with permission to write {site_dir}"
     )
 
 
