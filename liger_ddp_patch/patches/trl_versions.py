@@ -81,8 +81,20 @@ AFFECTED = f">={RELEASES[0]},<{FIXED_IN}"
 
 # Measured with tests/test_matrix.py (liger-kernel 0.8.5, torch 2.13 CPU, transformers 5.24, accelerate 1.16):
 # trainer -> (unpatched, patched); an int is "parameters whose gradients differ across ranks" (out of 25), a str is
-# the exception the run ended with. Releases absent here have not been run yet.
-OBSERVED: dict[str, dict[str, tuple[int | str, int | str]]] = {}
+# the exception the run ended with. Releases absent here have not been run yet. Runs of 2026-12-02.
+OBSERVED: dict[str, dict[str, tuple[int | str, int | str]]] = {
+    "1.4.0": {'dpo': ('AttributeError: get_decoder', 0), 'kto': ('AttributeError: get_decoder', 0)},
+    "1.8.0": {'dpo': ('AttributeError: base_model', 0), 'kto': ('AttributeError: base_model', 0)},
+    "1.9.0": {'dpo': (25, 0), 'kto': (25, 0)},
+    "1.9.1": {'dpo': (25, 0), 'kto': (25, 0)},
+    "1.9.2": {'dpo': (25, 0), 'kto': (25, 0)},
+    "1.10.0": {'dpo': (25, 0), 'kto': (25, 0)},
+    "1.11.0": {'dpo': (25, 0), 'kto': (25, 0)},
+    "1.12.0": {'dpo': (25, 0), 'kto': (25, 0)},
+    "1.13.0": {'dpo': (25, 0), 'kto': (25, 0)},
+    "1.14.0": {'dpo': (0, 0), 'kto': (0, 0)},
+    "1.16.0": {'dpo': (0, 0), 'kto': (0, 0)},
+}
 
 
 def line_of(version: str) -> Line | None:
