@@ -6,6 +6,10 @@ when ``LIGER_DDP_PATCH_AUTO=1``; every other process pays nothing measurable (se
 
     liger-ddp-patch pth install          # then: LIGER_DDP_PATCH_AUTO=1 torchrun ... train.py
     liger-ddp-patch pth uninstall
+
+Put the file in the site-packages the package (and wrapt) are installed in, which is the default: ``site`` reads
+the user site and a venv's site-packages *before* the system one, so a ``.pth`` there cannot import a package that
+only the system site-packages holds (with the variable set, Python would print "Error processing line ...").
 """
 
 from __future__ import annotations
