@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 __all__ = [
+    "ChunkedLinearLoss",
     "DEFAULT_MAX_CHUNK_ELEMENTS",
     "resolve_token_chunk_size",
     "TokenLogProbs",
@@ -219,3 +220,27 @@ def row_logit_sums(hidden, weight, bias):
         if bias is not None:
             out = out + L * bias.sum(dtype=torch.float32)
     return out
+
+
+class ChunkedLinearLoss(torch.nn.Module):
+    """The shared base of the chunked losses: the options every one of them has, and per-sequence log-probs."""
+
+    def __init__(self, ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size):
+        super().__init__()
+        if token_chunk_size is not None:
+            resolve_token_chunk_size(token_chunk_size, 1)  # validate early
+        self.ignore_index = ignore_index
+        self.beta = beta
+        self.compiled = compiled  # accepted for drop-in compatibility; nothing here is compiled
+        self.use_ref_model = use_ref_model
+        self.average_log_prob = average_log_prob
+        self.chunk_size = chunk_size  # accepted for drop-in compatibility; token_chunk_size bounds memory
+        self.token_chunk_size = token_chunk_size
+
+    def sequence_logps(self, hidden, weight, bias, target):
+        """``(per-sequence log-prob, per-token log-probs, their rows, non-ignored tokens per row)``."""
+        logp, rows, counts = token_logprobs(hidden, weight, bias, target, self.ignore_index, self.token_chunk_size)
+        seq = sequence_sums(logp, rows, target.shape[0])
+        if self.average_log_prob:
+            seq = seq / counts  # 0/0 -> NaN for a fully ignored row, as in Liger
+        return seq, logp, rows, counts

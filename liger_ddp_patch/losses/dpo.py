@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from ._core import check_reference as _check_reference
-from ._core import resolve_token_chunk_size, row_logit_sums, sequence_sums, token_logprobs
+from ._core import ChunkedLinearLoss, row_logit_sums
 
 __all__ = ["ChunkedDPOLoss", "dpo_preference_loss", "SUPPORTED_DPO_LOSS_TYPES"]
 
@@ -138,7 +138,7 @@ def dpo_preference_loss(
     return losses.sum() / n_pairs, rew_w, rew_l
 
 
-class ChunkedDPOLoss(torch.nn.Module):
+class ChunkedDPOLoss(ChunkedLinearLoss):
     """Token-chunked linear + DPO loss (plain autograd; see the module docstring for formulas/metrics).
 
     Args (same names/defaults as ``LigerFusedLinearDPOLoss`` 0.8.5 and TRL 1.13 ``FusedLinearDPOLoss``):
@@ -167,35 +167,19 @@ class ChunkedDPOLoss(torch.nn.Module):
         discopop_tau: float = 0.05,
         token_chunk_size: Optional[int] = None,
     ):
-        super().__init__()
         _check_options(loss_type, label_smoothing)
-        if token_chunk_size is not None:
-            resolve_token_chunk_size(token_chunk_size, 1)  # validate early
-        self.ignore_index = ignore_index
-        self.beta = beta
+        super().__init__(ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size)
         self.alpha = alpha
         self.compute_nll_loss = compute_nll_loss
-        self.compiled = compiled
-        self.use_ref_model = use_ref_model
-        self.average_log_prob = average_log_prob
-        self.chunk_size = chunk_size
         self.loss_type = loss_type
         self.label_smoothing = label_smoothing
         self.discopop_tau = discopop_tau
-        self.token_chunk_size = token_chunk_size
 
     def extra_repr(self) -> str:
         return (
             f"loss_type={self.loss_type!r}, beta={self.beta}, use_ref_model={self.use_ref_model}, "
             f"token_chunk_size={self.token_chunk_size}"
         )
-
-    def _seq_logps(self, hidden, weight, bias, target):
-        logp, rows, counts = token_logprobs(hidden, weight, bias, target, self.ignore_index, self.token_chunk_size)
-        seq = sequence_sums(logp, rows, target.shape[0])
-        if self.average_log_prob:
-            seq = seq / counts  # 0/0 -> NaN for a fully ignored row, as in Liger
-        return seq, logp, rows, counts
 
     def forward(
         self,
@@ -223,7 +207,7 @@ class ChunkedDPOLoss(torch.nn.Module):
         n_pairs = batch // 2
         vocab = lin_weight.shape[0]
 
-        seq, logp, rows, counts = self._seq_logps(_input, lin_weight, bias, target)
+        seq, logp, rows, counts = self.sequence_logps(_input, lin_weight, bias, target)
         chosen_logps, rejected_logps = seq[:n_pairs], seq[n_pairs:]
 
         if self.compute_nll_loss:
@@ -237,7 +221,7 @@ class ChunkedDPOLoss(torch.nn.Module):
         ref_chosen = ref_rejected = None
         if self.use_ref_model:
             with torch.no_grad():
-                ref_seq, _, _, _ = self._seq_logps(ref_input, ref_weight, ref_bias, target)
+                ref_seq, _, _, _ = self.sequence_logps(ref_input, ref_weight, ref_bias, target)
             ref_chosen, ref_rejected = ref_seq[:n_pairs], ref_seq[n_pairs:]
 
         pref_loss, chosen_rewards, rejected_rewards = dpo_preference_loss(

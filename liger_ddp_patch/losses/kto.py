@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from ._core import check_reference as _check_reference
-from ._core import resolve_token_chunk_size, row_logit_sums, sequence_sums, token_logprobs
+from ._core import ChunkedLinearLoss, row_logit_sums
 
 __all__ = ["ChunkedKTOLoss", "kto_preference_loss"]
 
@@ -51,7 +51,7 @@ def kto_preference_loss(logps, preference_labels, ref_logps=None, beta=0.1, kl=N
     return losses.sum() / logps.shape[0], chosen_rewards_sum, rejected_rewards_sum
 
 
-class ChunkedKTOLoss(torch.nn.Module):
+class ChunkedKTOLoss(ChunkedLinearLoss):
     """Token-chunked linear + KTO loss (plain autograd; see the module docstring for formulas/metrics).
 
     Args (same names/defaults as ``LigerFusedLinearKTOLoss`` 0.8.5 and TRL 1.13 ``FusedLinearKTOLoss``):
@@ -71,26 +71,10 @@ class ChunkedKTOLoss(torch.nn.Module):
         chunk_size: int = 1,
         token_chunk_size: Optional[int] = None,
     ):
-        super().__init__()
-        if token_chunk_size is not None:
-            resolve_token_chunk_size(token_chunk_size, 1)
-        self.ignore_index = ignore_index
-        self.beta = beta
-        self.compiled = compiled
-        self.use_ref_model = use_ref_model
-        self.average_log_prob = average_log_prob
-        self.chunk_size = chunk_size
-        self.token_chunk_size = token_chunk_size
+        super().__init__(ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size)
 
     def extra_repr(self) -> str:
         return f"beta={self.beta}, use_ref_model={self.use_ref_model}, token_chunk_size={self.token_chunk_size}"
-
-    def _seq_logps(self, hidden, weight, bias, target):
-        logp, rows, counts = token_logprobs(hidden, weight, bias, target, self.ignore_index, self.token_chunk_size)
-        seq = sequence_sums(logp, rows, target.shape[0])
-        if self.average_log_prob:
-            seq = seq / counts
-        return seq
 
     def forward(
         self,
@@ -119,11 +103,11 @@ class ChunkedKTOLoss(torch.nn.Module):
             raise AssertionError("preference_labels must be provided for unpaired preference loss")
         _check_reference(self.use_ref_model, ref_input, ref_weight)
         labels = preference_labels.to(device=_input.device, dtype=torch.bool)
-        logps = self._seq_logps(_input, lin_weight, bias, target)
+        logps = self.sequence_logps(_input, lin_weight, bias, target)[0]
         ref_logps = None
         if self.use_ref_model:
             with torch.no_grad():
-                ref_logps = self._seq_logps(ref_input, ref_weight, ref_bias, target)
+                ref_logps = self.sequence_logps(ref_input, ref_weight, ref_bias, target)[0]
         if kl is not None and isinstance(kl, torch.Tensor):
             kl = kl.detach()
         loss, chosen_rewards_sum, rejected_rewards_sum = kto_preference_loss(
