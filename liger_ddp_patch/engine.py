@@ -8,17 +8,16 @@ The engine knows nothing about any particular library; the records never see wra
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .settings import Settings
 
-log = logging.getLogger("liger_ddp_patch")
+# No dataclasses and no logging at import time: this module loads in every process the package reaches, and those
+# two cost more than the rest of the package together (see benchmarks/README.md, "Startup cost").
 
 APPLIED, PENDING, NOT_NEEDED, DISABLED, UNSUPPORTED, FAILED = (
     "applied",
@@ -34,8 +33,7 @@ class PatchError(RuntimeError):
     """A patch could not be applied and ``LIGER_DDP_PATCH_STRICT`` asked for that to be fatal."""
 
 
-@dataclass(frozen=True)
-class Patch:
+class Patch(NamedTuple):
     """One declarative patch record.
 
     ``check(original)`` returns ``None`` when the original still looks like the code we fix, else the reason it does
@@ -58,20 +56,25 @@ class Patch:
         return f"{'|'.join(self.module)}:{'|'.join(self.attribute)}"
 
 
-@dataclass
 class Status:
-    name: str
-    target: str
-    status: str
-    reason: str
-    version: str | None = None
+    """What happened to one patch: ``status`` is one of applied/pending/not_needed/disabled/unsupported/failed."""
+
+    __slots__ = ("name", "target", "status", "reason", "version")
+
+    def __init__(self, name: str, target: str, status: str, reason: str, version: str | None = None):
+        self.name, self.target, self.status, self.reason, self.version = name, target, status, reason, version
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {key: getattr(self, key) for key in self.__slots__}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Status) and self.as_dict() == other.as_dict()
+
+    def __repr__(self) -> str:
+        return "Status(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items()) + ")"
 
 
-@dataclass
-class _Applied:
+class _Applied(NamedTuple):
     parent: Any
     attr: str
     original: Any
@@ -283,11 +286,12 @@ class Engine:
     def _log_summary(self, module: str, names: list[str]) -> None:
         if not is_main_process():
             return
+        import logging
         statuses = [self._status[n] for n in names]
         version = next((s.version for s in statuses if s.version), None)
         parts = [f"{s.name}={s.status}" + ("" if s.status == APPLIED else f" ({s.reason})") for s in statuses]
         bad = any(s.status in (UNSUPPORTED, FAILED) for s in statuses)
-        log.log(
+        logging.getLogger("liger_ddp_patch").log(
             logging.WARNING if bad else logging.INFO,
             "liger_ddp_patch: %s imported (version %s): %s",
             module,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 DISABLE = "LIGER_DDP_PATCH_DISABLE"
 VERIFY = "LIGER_DDP_PATCH_VERIFY"
@@ -22,10 +22,9 @@ class SettingsWarning(UserWarning):
     """A liger_ddp_patch environment variable had a value we could not use."""
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(NamedTuple):
     disable_all: bool = False
-    disabled: frozenset[str] = field(default_factory=frozenset)
+    disabled: frozenset[str] = frozenset()
     verify_every: int = 0  # 0: no runtime gradient-sync check
     strict: bool = False
 

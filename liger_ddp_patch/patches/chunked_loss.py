@@ -11,12 +11,9 @@ so trainers built afterwards get :mod:`liger_ddp_patch.losses`; a trainer built 
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from . import _shape
-
-log = logging.getLogger("liger_ddp_patch")
 
 
 def _ours(kind: str) -> type:
@@ -75,5 +72,7 @@ def adopt_stale_loss(trainer: Any) -> None:
             ours = _ours(kind)
             settings = {p: getattr(loss, p) for p in _shape.parameters(ours.__init__)[1:] if hasattr(loss, p)}
             setattr(trainer, attribute, ours(**settings))
-            log.info("liger_ddp_patch: replaced the %s built before the patch with %s", original.__name__, ours.__name__)
+            import logging
+
+            logging.getLogger("liger_ddp_patch").info("liger_ddp_patch: replaced the %s built before the patch with %s", original.__name__, ours.__name__)
             return

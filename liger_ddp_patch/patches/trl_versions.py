@@ -11,7 +11,7 @@ redirect guard in 1.9.0), PRs #7243/#7247 (fixed in 1.14.0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 KTO_STABLE = "trl.trainer.kto_trainer"
 KTO_EXPERIMENTAL = "trl.experimental.kto.kto_trainer"  # the real KTOTrainer in 1.0.0-1.7.1; a shim module elsewhere
@@ -20,8 +20,7 @@ DPO_MODULE = "trl.trainer.dpo_trainer"
 FIXED_IN = "1.14.0"
 
 
-@dataclass(frozen=True)
-class Line:
+class Line(NamedTuple):
     """Consecutive releases that share one code shape (and so one bug, one fix and one way to verify it)."""
 
     versions: tuple[str, ...]
@@ -35,8 +34,6 @@ class Line:
     @property
     def patched(self) -> bool:
         return self.dpo_shape != "fixed"
-
-
 
 
 def _crash(attribute: str) -> str:
