@@ -29,6 +29,9 @@ APPLIED, PENDING, NOT_NEEDED, DISABLED, UNSUPPORTED, FAILED = (
 )
 
 
+MARK = "__liger_ddp_patch__"  # set on every replacement we install, so a second engine never wraps it again
+
+
 class PatchError(RuntimeError):
     """A patch could not be applied and ``LIGER_DDP_PATCH_STRICT`` asked for that to be fatal."""
 
@@ -50,6 +53,9 @@ class Patch(NamedTuple):
     check: Callable[[Any], str | None]
     replace: Callable[[Any], Any]
     summary: str  # what the patch does, for the diagnostic
+    # Modules without which the host never defines the target (it imports it only when they are importable):
+    # a missing target is then "not needed", not "unsupported".
+    requires: tuple[str, ...] = ()
 
     @property
     def target(self) -> str:
@@ -89,6 +95,15 @@ def installed_version(distribution: str) -> str | None:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return getattr(sys.modules.get(distribution), "__version__", None)
+
+
+def _importable(module: str) -> bool:
+    from importlib.util import find_spec
+
+    try:
+        return find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def is_main_process() -> bool:
@@ -245,10 +260,15 @@ class Engine:
         found = _resolve(module, record.attribute)
         if found is None:
             why = f"{record.target} not found in {dist} {raw}"
+            absent = [m for m in record.requires if not _importable(m)]
+            if absent:
+                return self._set(record.name, NOT_NEEDED, f"{why}: {', '.join(absent)} is not installed, so it never is")
             if fixed is not None and version >= fixed:
                 return self._set(record.name, NOT_NEEDED, f"{why}; upstream fixed this in {record.fixed_in}")
             return self._set(record.name, UNSUPPORTED, f"{why}; left untouched")
         parent, attr, original = found
+        if getattr(original, MARK, None) == record.name:  # e.g. the package loaded twice (importlib.reload)
+            return self._set(record.name, APPLIED, f"{record.summary} (already in place: patched by an earlier load)")
         mismatch = record.check(original)
         if mismatch is not None:
             if not known and fixed is not None and version >= fixed:
@@ -261,6 +281,7 @@ class Engine:
             return self._set(record.name, UNSUPPORTED, f"shape check failed: {mismatch}; left untouched")
 
         replacement = record.replace(original)
+        setattr(replacement, MARK, record.name)
         setattr(parent, attr, replacement)
         self._applied[record.name] = _Applied(parent, attr, original, replacement)
         where = f"{getattr(parent, '__name__', parent)}.{attr}"

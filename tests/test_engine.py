@@ -240,3 +240,26 @@ def test_concurrent_imports_patch_once(fakelib, monkeypatch):
         t.join()
     assert len(calls) == 2
     assert all(sys.modules[n].Trainer().step(1) == "patched" for n in names)
+
+
+def test_missing_target_of_an_absent_optional_dependency_is_not_needed(fakelib, monkeypatch):
+    name = fakelib("class Other:\n    pass\n")
+    monkeypatch.setattr(engine_mod, "installed_version", lambda dist: "1.12.0")
+    monkeypatch.setitem(sys.modules, "optional_dep", None)  # blocks the import, as if not installed
+    engine = Engine([record(name, requires=("optional_dep",))], Settings(strict=True))
+    engine.install()
+    importlib.import_module(name)  # strict mode, yet no PatchError: there is nothing to patch
+    assert status(engine).status == "not_needed"
+    assert status(engine).reason.endswith("optional_dep is not installed, so it never is")
+
+
+def test_a_target_already_replaced_by_this_package_is_not_wrapped_twice(fakelib, monkeypatch):
+    name = fakelib()
+    calls: list = []
+    _, mod = run(name, "1.12.0", monkeypatch)
+    ours = mod.Trainer.__dict__["step"]
+    assert getattr(ours, engine_mod.MARK) == "fix_step"  # what a second load of the package would find
+    second = Engine([record(name, calls=calls)], Settings())
+    second.install()
+    assert calls == [] and mod.Trainer.__dict__["step"] is ours
+    assert status(second).status == "applied" and "already in place" in status(second).reason

@@ -45,6 +45,7 @@ PATCHES = (
         attribute=("LigerFusedLinearDPOLoss", "FusedLinearDPOLoss"),
         check=chunked_loss.dpo_check,
         replace=chunked_loss.dpo_replace,
+        requires=("liger_kernel",),  # 1.0.0-1.12.0 import the fused loss only when liger-kernel is installed
         summary="fused DPO loss replaced by liger_ddp_patch.losses.ChunkedDPOLoss",
         **_COMMON,
     ),
@@ -54,6 +55,7 @@ PATCHES = (
         attribute=("LigerFusedLinearKTOLoss", "FusedLinearKTOLoss"),
         check=chunked_loss.kto_check,
         replace=chunked_loss.kto_replace,
+        requires=("liger_kernel",),  # 1.0.0-1.12.0 import the fused loss only when liger-kernel is installed
         summary="fused KTO loss replaced by liger_ddp_patch.losses.ChunkedKTOLoss",
         **_COMMON,
     ),

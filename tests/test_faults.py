@@ -1,0 +1,62 @@
+"""Bad environments, in real subprocesses: the host's import never breaks, and the diagnostic says why."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+REPORT = "import json\nprint(json.dumps([s.as_dict() for s in liger_ddp_patch.report()]))\n"
+
+
+def python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})  # fmt: skip
+
+
+def statuses(proc: subprocess.CompletedProcess) -> dict[str, dict]:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {row["name"]: row for row in json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def test_trl_absent():
+    code = "import sys; sys.modules['trl'] = None\nimport liger_ddp_patch; liger_ddp_patch._engine.resolve_pending()\n"
+    rows = statuses(python(code + REPORT))
+    for row in rows.values():
+        assert row["status"] == "not_needed" and "cannot be imported" in row["reason"], row
+
+
+def test_liger_kernel_absent_leaves_the_fused_loss_patches_not_needed_even_in_strict_mode():
+    code = "import sys; sys.modules['liger_kernel'] = None\nimport liger_ddp_patch\nfrom trl import DPOTrainer, KTOTrainer\n"
+    rows = statuses(python(code + REPORT, LIGER_DDP_PATCH_STRICT="1"))
+    assert rows["dpo_compute_loss"]["status"] == rows["kto_compute_loss"]["status"] == "applied"
+    for name in ("dpo_chunked_loss", "kto_chunked_loss"):
+        assert rows[name]["status"] == "not_needed", rows[name]
+        assert rows[name]["reason"].endswith("liger_kernel is not installed, so it never is")
+
+
+def test_loading_the_package_twice_does_not_wrap_twice():
+    code = (
+        "import importlib, liger_ddp_patch\nfrom trl import DPOTrainer\nfirst = DPOTrainer.compute_loss\n"
+        "importlib.reload(liger_ddp_patch)\nassert DPOTrainer.compute_loss is first\n"
+        "assert first.__wrapped__.__module__ == 'trl.trainer.dpo_trainer'\n"
+    )
+    rows = statuses(python(code + REPORT))
+    for name in ("dpo_compute_loss", "dpo_chunked_loss"):
+        assert rows[name]["status"] == "applied" and "already in place" in rows[name]["reason"], rows[name]
+
+
+def test_strict_mode_raises_from_the_trl_import_when_a_patch_cannot_apply(tmp_path):
+    """A TRL whose compute_loss no longer has the shape we fix: strict raises, non-strict imports fine."""
+    code = (
+        "import liger_ddp_patch.patches.compute_loss as c\n"
+        "c.SHAPES.clear()  # stands in for a TRL whose code changed shape\n"
+        "import liger_ddp_patch\nfrom trl import DPOTrainer\nprint('imported')\n"
+    )
+    strict = python(code, LIGER_DDP_PATCH_STRICT="1")
+    assert strict.returncode != 0
+    assert "PatchError: LIGER_DDP_PATCH_STRICT=1 and these patches could not be applied: dpo_compute_loss (unsupported)" in strict.stderr
+    relaxed = python(code)
+    assert relaxed.returncode == 0 and "imported" in relaxed.stdout
+    assert "dpo_compute_loss=unsupported (shape check failed: no known shape matches" in relaxed.stderr
