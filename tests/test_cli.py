@@ -60,3 +60,13 @@ def test_run_without_a_command_explains_usage():
 def test_unknown_subcommand_is_rejected():
     proc = cli("frobnicate")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_demo_prints_the_before_after_table():
+    """The README's main job, on a small vocabulary and one trainer to keep it under a minute."""
+    proc = cli("demo", "--vocab-size", "64", "--trainers", "dpo")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("dpo ")]
+    assert [row[1] for row in rows] == ["unpatched", "patched"]
+    assert int(rows[0][3]) > 0 and rows[1][3:5] == ["0", "0.000e+00"]
+    assert "gradients in sync when patched" in proc.stdout
