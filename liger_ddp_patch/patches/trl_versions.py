@@ -54,7 +54,7 @@ LINES: tuple[Line, ...] = (
     Line(("1.5.0", "1.5.1"), "unredirected", "unredirected", KTO_EXPERIMENTAL,
          "liger_kernel.chunked_loss", _crash("get_decoder"), "crash"),
     Line(("1.6.0", "1.7.0", "1.7.1"), "unredirected", "unredirected", KTO_EXPERIMENTAL,
-         "liger_kernel.chunked_loss", _crash("model"), "crash"),
+         "liger_kernel.chunked_loss", _crash("base_model"), "crash"),
     Line(("1.8.0",), "unredirected", "unredirected", KTO_STABLE,
          "liger_kernel.chunked_loss", _crash("base_model"), "crash"),
     Line(("1.9.0", "1.9.1", "1.9.2", "1.10.0", "1.11.0", "1.12.0"), "guarded", "guarded", KTO_STABLE,
@@ -64,7 +64,12 @@ LINES: tuple[Line, ...] = (
     Line(("1.14.0", "1.14.1", "1.14.2"), "fixed", "fixed", KTO_STABLE,
          "none built: DPO and KTO compute chunked log-probs themselves (TRL #7243)",
          "nothing: the guard redirects whenever `model is not unwrapped_model` (TRL #7247)", "synced"),
-    Line(("1.15.0", "1.16.0"), "fixed", "fixed", KTO_STABLE,
+    Line(("1.15.0",), "fixed", "fixed", KTO_STABLE,
+         "none built (`use_liger_kernel` deprecated for the DPO/KTO losses)",
+         "nothing for this package (fixed upstream in TRL 1.14.0); on a CPU-only machine its Liger path stops in "
+         "Liger's Triton kernels (`RuntimeError: 0 active drivers`), with or without the package",
+         "synced"),
+    Line(("1.16.0",), "fixed", "fixed", KTO_STABLE,
          "none built (`use_liger_kernel` deprecated for the DPO/KTO losses)", "nothing (fixed upstream in TRL 1.14.0)",
          "synced"),
 )  # fmt: skip
@@ -80,7 +85,16 @@ AFFECTED = f">={RELEASES[0]},<{FIXED_IN}"
 # trainer -> (unpatched, patched); an int is "parameters whose gradients differ across ranks" (out of 25), a str is
 # the exception the run ended with. Releases absent here have not been run yet. Runs of 2026-12-02.
 OBSERVED: dict[str, dict[str, tuple[int | str, int | str]]] = {
+    "1.0.0": {'dpo': ('AttributeError: get_decoder', 0), 'kto': ('AttributeError: get_decoder', 0)},
+    "1.1.0": {'dpo': ('AttributeError: get_decoder', 0), 'kto': ('AttributeError: get_decoder', 0)},
+    "1.2.0": {'dpo': ('AttributeError: get_decoder', 0), 'kto': ('AttributeError: get_decoder', 0)},
+    "1.3.0": {'dpo': ('AttributeError: get_decoder', 0), 'kto': ('AttributeError: get_decoder', 0)},
     "1.4.0": {'dpo': ('AttributeError: get_decoder', 0), 'kto': ('AttributeError: get_decoder', 0)},
+    "1.5.0": {'dpo': ('AttributeError: get_decoder', 0), 'kto': ('AttributeError: get_decoder', 0)},
+    "1.5.1": {'dpo': ('AttributeError: get_decoder', 0), 'kto': ('AttributeError: get_decoder', 0)},
+    "1.6.0": {'dpo': ('AttributeError: base_model', 0), 'kto': ('AttributeError: base_model', 0)},
+    "1.7.0": {'dpo': ('AttributeError: base_model', 0), 'kto': ('AttributeError: base_model', 0)},
+    "1.7.1": {'dpo': ('AttributeError: base_model', 0), 'kto': ('AttributeError: base_model', 0)},
     "1.8.0": {'dpo': ('AttributeError: base_model', 0), 'kto': ('AttributeError: base_model', 0)},
     "1.9.0": {'dpo': (25, 0), 'kto': (25, 0)},
     "1.9.1": {'dpo': (25, 0), 'kto': (25, 0)},
@@ -90,6 +104,10 @@ OBSERVED: dict[str, dict[str, tuple[int | str, int | str]]] = {
     "1.12.0": {'dpo': (25, 0), 'kto': (25, 0)},
     "1.13.0": {'dpo': (25, 0), 'kto': (25, 0)},
     "1.14.0": {'dpo': (0, 0), 'kto': (0, 0)},
+    "1.14.1": {'dpo': (0, 0), 'kto': (0, 0)},
+    "1.14.2": {'dpo': (0, 0), 'kto': (0, 0)},
+    "1.15.0": {'dpo': ('RuntimeError: 0 active drivers', 'RuntimeError: 0 active drivers'),
+               'kto': ('RuntimeError: 0 active drivers', 'RuntimeError: 0 active drivers')},
     "1.16.0": {'dpo': (0, 0), 'kto': (0, 0)},
 }
 
