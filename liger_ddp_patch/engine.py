@@ -183,9 +183,6 @@ class Engine:
         done = self._applied.get(name)
         return done.original if done else None
 
-    def is_applied(self, name: str) -> bool:
-        return name in self._applied
-
     def resolve_pending(self) -> None:
         """Import every target module still pending, so the report says what would happen in a real run."""
         import importlib

@@ -14,11 +14,9 @@ TRL_KTO = (trl_versions.KTO_STABLE, trl_versions.KTO_EXPERIMENTAL)
 # Releases whose trainer code we have read (wheel by wheel), the affected range (1.0.0 up to the upstream fix:
 # before 1.9.0 the DDP wrapper crashes the Liger path, 1.9.0-1.13.0 skip the all-reduce) and the fix: all from
 # trl_versions, which the docs table and the version tests read too. Any other version is "unknown": shape decides.
-TRL_RELEASES = trl_versions.RELEASES
-AFFECTED = trl_versions.AFFECTED
-FIXED_IN = trl_versions.FIXED_IN
-
-_COMMON = dict(distribution="trl", affected=AFFECTED, fixed_in=FIXED_IN, releases=TRL_RELEASES)
+_COMMON = dict(
+    distribution="trl", affected=trl_versions.AFFECTED, fixed_in=trl_versions.FIXED_IN, releases=trl_versions.RELEASES
+)
 
 PATCHES = (
     Patch(
