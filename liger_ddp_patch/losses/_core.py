@@ -11,24 +11,36 @@ Design
 * Only the *non-ignored* positions (``target != ignore_index``) are gathered before any GEMM: an ignored
   position carries no loss and no gradient, so prompt tokens cost nothing (the fused Liger/TRL losses
   project every position, prompt included).
-* Forward loops over chunks of ``token_chunk_size`` selected tokens.  Per chunk it forms the logits
-  ``h @ W.T (+ b)`` in fp32, takes the target logit and the log-sum-exp, and keeps only the log-sum-exp
-  (one fp32 scalar per token) for backward; the ``(chunk, V)`` logits buffer is reused in place.
-* Backward recomputes each chunk's logits, turns them in place into
-  ``grad_logits = g * (onehot(target) - softmax)``, and emits
-  ``grad_h = grad_logits @ W`` (written straight into the rows of the full hidden-state gradient),
-  ``grad_W += grad_logits.T @ h`` (fp32 accumulator) and ``grad_b += grad_logits.sum(0)``.
-* Peak extra memory is therefore ``~ token_chunk_size * V * 4`` bytes for the logits buffer (plus, for
-  half-precision inputs, one half-precision copy of it), the fp32 weight-gradient accumulator and the
-  hidden-state gradient -- independent of sequence length apart from the unavoidable ``grad_h``.
+* Forward loops over chunks of ``token_chunk_size`` selected tokens.  Per chunk it forms the ``(chunk, V)``
+  logits ``h @ W.T (+ b)`` in fp32, takes the target logit and the log-sum-exp, and keeps only the
+  log-sum-exp (one fp32 scalar per token) for backward.
+* Backward recomputes the logits and turns them in place into ``grad_logits = g * (onehot(target) - softmax)``,
+  then ``grad_h = grad_logits @ W``, ``grad_W += grad_logits.T @ h``, ``grad_b += grad_logits.sum(0)``.
 
-Precision: the GEMMs run in the input dtype (bf16/fp16 GEMMs on bf16/fp16 inputs), while the
-log-sum-exp, the softmax, all reductions and the weight/bias-gradient accumulation run in fp32.
-Per-token log-probs are returned in fp32 (as the fused losses' ``log_softmax(logits.float())``).
+Memory: one budget (:func:`logits_budget_bytes`: 128 MiB on CPU, 1 GiB on an accelerator) bounds every
+temporary: the default token chunk is ``budget / (V * bytes per logit)``, and in half precision the backward
+walks the vocabulary in blocks of at most ``V / 4`` rows and ``budget / (4 H)`` rows, so that the fp32
+accumulator of the weight gradient is one ``(block, H)`` tile, written into the half-precision result when the
+block is done.  The weight gradient then costs its own result (``2 V H`` bytes in bf16) plus at most ``V H`` for
+the fp32 tile and ``V H / 2`` for a product tile: under ``4 V H`` (Liger: a bf16 accumulator plus one bf16
+chunk gradient, ``4 V H``), and no ``(V, H)``-sized tensor is made per chunk.  Where torch can multiply
+half-precision matrices into an fp32 output (``torch.addmm(..., out_dtype=torch.float32)``: CUDA, the
+``aten::addmm.dtype`` overload of torch >= 2.8, PR #150812, with an fp32 ``self`` from torch 2.10, PR #167931;
+not on CPU), the tile is accumulated in place with no product tile at all; elsewhere the product is formed in
+the compute dtype and added.  fp32 inputs take the plain path (no blocks, ``addmm_`` into the result).
+
+Precision: the GEMMs run in the *compute dtype*: the autocast dtype when ``torch.autocast`` is on for the
+inputs' device (as autocast would run ``F.linear``; fp64 inputs are left alone, as autocast does), else the
+inputs' dtype.  Forward and backward use the same compute dtype (saved on the autograd context) and both run
+with autocast off, so the recomputed softmax is the one whose log-sum-exp was stored.  The log-sum-exp, the
+softmax, all reductions and the gradient accumulators are fp32 (fp64 for fp64 inputs); per-token log-probs are
+returned in fp32 (as the fused losses' ``log_softmax(logits.float())``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -36,29 +48,111 @@ import torch
 __all__ = [
     "ChunkedLinearLoss",
     "DEFAULT_MAX_CHUNK_ELEMENTS",
+    "LOGITS_BUDGET_BYTES",
+    "compute_dtype",
+    "fp32_output_gemm",
+    "logits_budget_bytes",
     "resolve_token_chunk_size",
     "TokenLogProbs",
     "token_logprobs",
     "row_logit_sums",
 ]
 
-# chunk * V <= 2**25 elements -> ~128 MiB for the fp32 logits buffer of one chunk.
-DEFAULT_MAX_CHUNK_ELEMENTS = 1 << 25
-_MAX_DEFAULT_CHUNK = 4096
+# Bytes one token chunk may spend on its logits (and, in half precision, the weight-gradient tile).  CPU: the
+# 128 MiB this package always used (fp32: chunk * V <= 2**25).  Accelerators: 1 GiB, so that at Qwen's
+# V = 151,936 a chunk is ~1,700 rows (an H100/H200 GEMM wants well over ~220 rows) while staying a small slice
+# of an 80-141 GB device.
+LOGITS_BUDGET_BYTES = {"cpu": 128 << 20, "accelerator": 1 << 30}
+DEFAULT_MAX_CHUNK_ELEMENTS = LOGITS_BUDGET_BYTES["cpu"] // 4  # kept for compatibility: the CPU fp32 budget
+_MAX_DEFAULT_CHUNK = 8192
 
 
-def resolve_token_chunk_size(token_chunk_size: Optional[int], vocab_size: int) -> int:
+def logits_budget_bytes(device=None) -> int:
+    """The default per-chunk memory budget for ``device`` (a ``torch.device``, a type string, or None = CPU)."""
+    kind = "cpu" if device is None else torch.device(device).type
+    return LOGITS_BUDGET_BYTES["cpu" if kind == "cpu" else "accelerator"]
+
+
+@functools.lru_cache(maxsize=None)
+def fp32_output_gemm(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(fp32_acc, a, b, out_dtype=torch.float32, out=fp32_acc)`` works for half ``a, b`` here.
+
+    Probed once per (device type, dtype) on 2x2 tensors, result checked: CUDA with torch >= 2.10 says yes,
+    CPU (no kernel) and older torch say no, and then the callers fall back to a product in the compute dtype.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        a = torch.ones(2, 2, dtype=dtype, device=device_type)
+        acc = torch.ones(2, 2, dtype=torch.float32, device=device_type)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        logits = torch.mm(a, a, out_dtype=torch.float32)
+        return bool((acc == 3).all()) and logits.dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError, ValueError, AssertionError):
+        return False
+
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (TypeError, RuntimeError, ValueError):  # torch < 2.4, or a device type autocast does not know
+        pass
+    return None
+
+
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The GEMM dtype: autocast's when it is on for this device (fp64 excepted, as autocast does), else the inputs'."""
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    auto = _autocast_dtype(hidden.device.type)
+    return auto if auto is not None and dtype != torch.float64 else dtype
+
+
+def _no_autocast(device: torch.device):
+    """Our GEMMs cast explicitly to the compute dtype: autocast must not re-cast them (nor the fp32 math)."""
+    if _autocast_dtype(device.type) is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
+def _math_dtype(cdtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if cdtype == torch.float64 else torch.float32
+
+
+def resolve_token_chunk_size(
+    token_chunk_size: Optional[int],
+    vocab_size: int,
+    device=None,
+    compute_dtype: torch.dtype = torch.float32,
+    budget_bytes: Optional[int] = None,
+) -> int:
     """Number of (non-ignored) tokens projected at once.
 
-    ``None`` picks ``min(4096, 2**25 // V)`` (at least 1), i.e. a ~128 MiB fp32 logits buffer; for
-    ``V = 32000`` that is 1048 tokens.
+    ``None`` fits one chunk's logits into :func:`logits_budget_bytes` of ``device``: ``budget // (V * b)``
+    tokens, clipped to ``[1, 8192]``, with ``b`` = 4 bytes per fp32 logit, plus the half-precision GEMM output
+    when the GEMM cannot write fp32 itself.  CPU fp32 at ``V = 32000``: 1048 tokens; an accelerator in bf16 at
+    ``V = 151,936``: 1766 tokens (1177 without an fp32-output GEMM).
     """
     if token_chunk_size is None:
-        return max(1, min(_MAX_DEFAULT_CHUNK, DEFAULT_MAX_CHUNK_ELEMENTS // max(1, int(vocab_size))))
+        budget = logits_budget_bytes(device) if budget_bytes is None else int(budget_bytes)
+        per_logit = _math_dtype(compute_dtype).itemsize
+        if compute_dtype.itemsize < per_logit and not _fp32_out(device, compute_dtype):
+            per_logit += compute_dtype.itemsize
+        return max(1, min(_MAX_DEFAULT_CHUNK, budget // (per_logit * max(1, int(vocab_size)))))
     token_chunk_size = int(token_chunk_size)
     if token_chunk_size < 1:
         raise ValueError(f"token_chunk_size must be a positive integer, got {token_chunk_size}")
     return token_chunk_size
+
+
+def _fp32_out(device, dtype) -> bool:
+    kind = "cpu" if device is None else torch.device(device).type
+    return kind != "cpu" and fp32_output_gemm(kind, dtype)
+
+
+def vocab_block_rows(vocab_size: int, hidden_size: int, budget_bytes: int) -> int:
+    """Rows of the vocabulary per backward block in half precision: <= V/4 and <= budget / (4 H)."""
+    return max(1, min(-(-vocab_size // 4), budget_bytes // (4 * max(1, hidden_size))))
 
 
 def check_reference(use_ref_model, ref_input, ref_weight) -> None:
@@ -76,28 +170,38 @@ def check_reference(use_ref_model, ref_input, ref_weight) -> None:
         raise AttributeError("use_ref_model=True but ref_weight is None: pass the reference model's LM-head weight")
 
 
-def _logits_fp32(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """Fresh fp32 ``(c, V)`` logits for a chunk; the GEMM runs in the input dtype."""
-    if h.dtype == torch.float32 and weight.dtype == torch.float32:
-        if bias is not None:
-            return torch.addmm(bias.float(), h, weight.t())
-        return h @ weight.t()
-    logits = (h @ weight.t()).float()
+def _logits(h: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], fast: bool) -> torch.Tensor:
+    """Fresh fp32 (fp64 for fp64) ``(c, Vb)`` logits of a chunk; ``h`` and ``w`` are in the compute dtype."""
+    if h.dtype in (torch.float32, torch.float64):
+        return h @ w.t() if bias is None else torch.addmm(bias.to(h.dtype), h, w.t())
+    logits = torch.mm(h, w.t(), out_dtype=torch.float32) if fast else (h @ w.t()).float()
     if bias is not None:
-        logits += bias.float()
+        logits += bias
     return logits
 
 
-def _forward_chunks(hidden2d, weight, bias, positions, labels, chunk):
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fast: bool) -> None:
+    """``acc += a @ b`` with ``acc`` fp32/fp64 and ``a, b`` in the compute dtype, without an ``acc``-sized copy
+    when torch can write fp32 from half inputs (else one product tile in the compute dtype)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif fast:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.add_(a @ b)
+
+
+def _forward_chunks(hidden2d, weight, bias, positions, labels, chunk, cdtype):
     """Returns (target log-prob, log-sum-exp), both fp32 of shape (N,)."""
     n = positions.numel()
     logp = torch.empty(n, dtype=torch.float32, device=hidden2d.device)
     lse = torch.empty(n, dtype=torch.float32, device=hidden2d.device)
+    fast = _fp32_out(hidden2d.device, cdtype)
+    w = weight.to(cdtype)  # no copy unless autocast (or mixed inputs) asks for another dtype
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
-        pos = positions[s:e]
         lab = labels[s:e].unsqueeze(1)
-        logits = _logits_fp32(hidden2d.index_select(0, pos), weight, bias)
+        logits = _logits(hidden2d.index_select(0, positions[s:e]).to(cdtype), w, bias, fast)
         tgt = logits.gather(1, lab).squeeze(1)
         m = logits.amax(dim=1, keepdim=True)
         # in place: logits <- exp(logits - max); one (c, V) buffer for the whole chunk
@@ -113,9 +217,10 @@ class TokenLogProbs(torch.autograd.Function):
     """``log softmax(h_t @ W.T + b)[y_t]`` for the selected flat positions ``t`` (see module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden2d, weight, bias, positions, labels, chunk):
-        logp, lse = _forward_chunks(hidden2d, weight, bias, positions, labels, chunk)
-        ctx.chunk = chunk
+    def forward(ctx, hidden2d, weight, bias, positions, labels, chunk, cdtype, budget):
+        with _no_autocast(hidden2d.device):
+            logp, lse = _forward_chunks(hidden2d, weight, bias, positions, labels, chunk, cdtype)
+        ctx.chunk, ctx.cdtype, ctx.budget = chunk, cdtype, budget
         ctx.has_bias = bias is not None
         saved_bias = bias if bias is not None else weight.new_empty(0)
         ctx.save_for_backward(hidden2d, weight, saved_bias, positions, labels, lse)
@@ -124,44 +229,66 @@ class TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp):
         hidden2d, weight, bias, positions, labels, lse = ctx.saved_tensors
-        if not ctx.has_bias:
-            bias = None
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        chunk = ctx.chunk
-        n = positions.numel()
-        grad_logp = grad_logp.float()
-        grad_h = torch.zeros_like(hidden2d) if need_h else None
-        grad_w32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b32 = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
-        half_gemm = weight.dtype != torch.float32 or hidden2d.dtype != torch.float32
+        with _no_autocast(hidden2d.device):
+            grads = _backward_chunks(hidden2d, weight, bias if ctx.has_bias else None, positions, labels, lse,
+                                     grad_logp, ctx.chunk, ctx.cdtype, ctx.budget, ctx.needs_input_grad[:3])
+        return (*grads, None, None, None, None, None)
+
+
+def _backward_chunks(hidden2d, weight, bias, positions, labels, lse, grad_logp, chunk, cdtype, budget, needs):
+    need_h, need_w, need_b = needs
+    V, H = weight.shape
+    n = positions.numel()
+    device = hidden2d.device
+    mdtype = _math_dtype(cdtype)
+    fast = _fp32_out(device, cdtype)
+    g_all = grad_logp.to(mdtype).unsqueeze(1)
+    grad_h = torch.zeros_like(hidden2d) if need_h else None
+    grad_w = torch.zeros_like(weight) if need_w else None  # the result: the only (V, H) tensor made here
+    grad_b = torch.zeros(V, dtype=mdtype, device=device) if need_b else None
+    # Half precision (or a weight that must be cast): walk the vocabulary in blocks, so the fp32 tile, the cast
+    # weight and any product tile are block-sized.  fp32: one block, gradients straight into the results.
+    blocked = cdtype.itemsize < mdtype.itemsize or weight.dtype != cdtype
+    block = vocab_block_rows(V, H, budget) if blocked else V
+    tile = None
+    if need_w and grad_w.dtype != mdtype:
+        tile = torch.empty(min(block, V), H, dtype=mdtype, device=device)
+    gh = torch.zeros(n, H, dtype=mdtype, device=device) if need_h and block < V else None
+    for v0 in range(0, V, block):
+        v1 = min(V, v0 + block)
+        w = weight[v0:v1].to(cdtype)
+        b = None if bias is None else bias[v0:v1]
+        acc = None
+        if need_w:
+            acc = grad_w[v0:v1] if tile is None else tile[: v1 - v0].zero_()
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
             pos = positions[s:e]
-            g = grad_logp[s:e].unsqueeze(1)
-            h = hidden2d.index_select(0, pos)
-            gl = _logits_fp32(h, weight, bias)
-            # gl <- g * (onehot(y) - exp(logits - lse)), in place
+            g = g_all[s:e]
+            h = hidden2d.index_select(0, pos).to(cdtype)
+            gl = _logits(h, w, b, fast)
+            # gl <- g * (onehot(y) - exp(logits - lse)), in place; targets outside this block add 0
             gl.sub_(lse[s:e].unsqueeze(1)).exp_().mul_(-g)
-            gl.scatter_add_(1, labels[s:e].unsqueeze(1), g)
+            lab = labels[s:e] - v0
+            inside = (lab >= 0) & (lab < v1 - v0)
+            gl.scatter_add_(1, lab.clamp(0, v1 - v0 - 1).unsqueeze(1), g * inside.unsqueeze(1))
             if need_b:
-                grad_b32 += gl.sum(dim=0)
-            if half_gemm:
-                gl_lp = gl.to(weight.dtype)
-                del gl
-                if need_h:
-                    grad_h.index_copy_(0, pos, (gl_lp @ weight).to(grad_h.dtype))
-                if need_w:
-                    grad_w32 += (gl_lp.t() @ h.to(weight.dtype)).float()
-                del gl_lp
-            else:
-                if need_h:
-                    grad_h.index_copy_(0, pos, gl @ weight)
-                if need_w:
-                    grad_w32.addmm_(gl.t(), h)
-                del gl
-        grad_w = None if grad_w32 is None else grad_w32.to(weight.dtype)
-        grad_b = None if grad_b32 is None else grad_b32.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None
+                grad_b[v0:v1] += gl.sum(dim=0)
+            glc = gl.to(cdtype)
+            del gl
+            if need_h:
+                if gh is None:
+                    grad_h.index_copy_(0, pos, (glc @ w).to(grad_h.dtype))
+                else:
+                    _add_product(gh[s:e], glc, w, fast)
+            if need_w:
+                _add_product(acc, glc.t(), h, fast)
+            del glc
+        if tile is not None:
+            grad_w[v0:v1].copy_(acc)
+    if gh is not None:
+        grad_h.index_copy_(0, positions, gh.to(grad_h.dtype))
+    return grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype)
 
 
 def token_logprobs(hidden, weight, bias, target, ignore_index, token_chunk_size=None):
@@ -183,7 +310,9 @@ def token_logprobs(hidden, weight, bias, target, ignore_index, token_chunk_size=
             f"and {tuple(target.shape)}"
         )
     B, L, H = hidden.shape
-    chunk = resolve_token_chunk_size(token_chunk_size, weight.shape[0])
+    cdtype = compute_dtype(hidden, weight)
+    budget = logits_budget_bytes(hidden.device)
+    chunk = resolve_token_chunk_size(token_chunk_size, weight.shape[0], hidden.device, cdtype, budget)
     mask = target != ignore_index
     flat_mask = mask.reshape(-1)
     positions = flat_mask.nonzero().squeeze(1)
@@ -193,10 +322,10 @@ def token_logprobs(hidden, weight, bias, target, ignore_index, token_chunk_size=
     hidden2d = hidden.reshape(B * L, H)
     needs_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     if torch.is_grad_enabled() and needs_grad:
-        logp = TokenLogProbs.apply(hidden2d, weight, bias, positions, labels, chunk)
+        logp = TokenLogProbs.apply(hidden2d, weight, bias, positions, labels, chunk, cdtype, budget)
     else:
-        with torch.no_grad():
-            logp, _ = _forward_chunks(hidden2d, weight, bias, positions, labels, chunk)
+        with torch.no_grad(), _no_autocast(hidden.device):
+            logp, _ = _forward_chunks(hidden2d, weight, bias, positions, labels, chunk, cdtype)
     return logp, rows, counts
 
 
@@ -210,9 +339,9 @@ def row_logit_sums(hidden, weight, bias):
 
     ``sum_v (h_t . W_v + b_v) = h_t . (sum_v W_v) + sum_v b_v``, so the row total is
     ``(sum_t h_t) . (sum_v W_v) + L * sum_v b_v`` -- O((B L + V) H) work instead of a (B L) x H x V GEMM.
-    Computed in fp32 (no gradient).
+    Computed in fp32 (no gradient), autocast or not.
     """
-    with torch.no_grad():
+    with torch.no_grad(), _no_autocast(hidden.device):
         L = hidden.shape[1]
         hsum = hidden.sum(dim=1, dtype=torch.float32)  # (B, H)
         wsum = weight.sum(dim=0, dtype=torch.float32)  # (H,)

@@ -1,0 +1,182 @@
+"""GPU-readiness of the chunked losses, checked on CPU: half-precision memory, autocast, chunk sizing.
+
+* bf16/fp16 weight gradient: no ``(V, H)``-sized temporary per token chunk (counted with a TorchDispatchMode);
+* ``torch.autocast``: forward and backward see the same precision (autocast == casting the inputs by hand), and our
+  error against the fp32 truth is at most 1.5x Liger's own error under the same autocast;
+* the default token chunk is a memory budget per device type (CPU unchanged, big enough GEMMs on a GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from _loss_cases import leaf_copies, load_reference
+from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss
+from liger_ddp_patch.losses import _core
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+class FreshAllocations(TorchDispatchMode):
+    """Records the numel of every tensor an op allocates (outputs of ops that neither view nor write an input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.sizes.append(t.numel())
+        return out
+
+
+def _dpo_inputs(dtype, batch=4, seq_len=24, hidden=96, vocab=300, w_scale=0.3, seed=0, prompt=6):
+    g = torch.Generator().manual_seed(seed)
+    x = dict(
+        hidden=torch.randn(batch, seq_len, hidden, generator=g).to(dtype),
+        weight=(torch.randn(vocab, hidden, generator=g) * w_scale).to(dtype),
+        bias=(torch.randn(vocab, generator=g) * 0.5).to(dtype),
+        ref_hidden=torch.randn(batch, seq_len, hidden, generator=g).to(dtype),
+        ref_weight=(torch.randn(vocab, hidden, generator=g) * w_scale).to(dtype),
+        ref_bias=(torch.randn(vocab, generator=g) * 0.5).to(dtype),
+        target=torch.randint(0, vocab, (batch, seq_len), generator=g),
+    )
+    x["target"][:, :prompt] = -100
+    return x
+
+
+def _dpo(cls, x, **kw):
+    loss, metrics = cls(**kw)(x["weight"], x["hidden"], x["target"], x["bias"], x["ref_hidden"], x["ref_weight"],
+                              x["ref_bias"])
+    return loss, metrics
+
+
+def _vh_allocations_in_backward(dtype, token_chunk_size):
+    x = leaf_copies(_dpo_inputs(dtype))
+    V, H = x["weight"].shape
+    loss, _ = _dpo(ChunkedDPOLoss, x, token_chunk_size=token_chunk_size, compute_nll_loss=True)
+    with FreshAllocations() as mode:
+        loss.backward()
+    assert x["weight"].grad.dtype == dtype and torch.isfinite(x["weight"].grad.float()).all()
+    return sum(1 for n in mode.sizes if n >= V * H)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_half_weight_gradient_has_no_per_chunk_vocab_by_hidden_temporary(dtype):
+    """72 loss tokens: 1 chunk vs 9 chunks.  The only (V, H)-sized allocation may be the returned gradient itself.
+
+    Before this change (bf16): 1 chunk -> 4, 9 chunks -> 20 (per chunk a (V, H) product and its fp32 copy, plus the
+    fp32 accumulator and the final cast): ~10 V H bytes at peak against Liger's ~4 V H.
+    """
+    one = _vh_allocations_in_backward(dtype, token_chunk_size=1000)
+    many = _vh_allocations_in_backward(dtype, token_chunk_size=8)
+    print(f"{dtype}: (V, H)-sized allocations in backward: 1 chunk {one}, 9 chunks {many}")
+    assert many == one, f"(V, H)-sized allocations grow with the number of chunks: {one} -> {many}"
+    assert one <= 1, f"{one} (V, H)-sized allocations in backward; only the returned gradient is allowed"
+
+
+# ------------------------------------------------------------------------------------------------- autocast
+
+
+def _loss_and_grads(cls, x, autocast_dtype=None, **kw):
+    x = leaf_copies(x)
+    if autocast_dtype is None:
+        loss, metrics = _dpo(cls, x, **kw)
+    else:
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            loss, metrics = _dpo(cls, x, **kw)
+    loss.backward()
+    return [loss, metrics[0], metrics[1], x["hidden"].grad, x["weight"].grad, x["bias"].grad]
+
+
+NAMES = ("loss", "chosen_logps", "rejected_logps", "grad_hidden", "grad_weight", "grad_bias")
+
+
+def _rounded(x, dtype):
+    """The inputs rounded to ``dtype`` and back to fp32: autocast's casts are then exact."""
+    return {k: (v.to(dtype).float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()}
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_autocast_is_the_same_as_casting_by_hand(dtype):
+    """Under autocast the loss must compute exactly what it computes on inputs cast to the autocast dtype.
+
+    The old code stored the log-sum-exp of half-precision logits in forward and recomputed fp32 logits in backward
+    (autocast is off there), so its softmax rows did not sum to one.
+    """
+    x = _rounded(_dpo_inputs(torch.float32, w_scale=1.5), dtype)  # logits ~ N(0, 10^2)
+    kw = dict(token_chunk_size=16, compute_nll_loss=True)
+    auto = _loss_and_grads(ChunkedDPOLoss, x, autocast_dtype=dtype, **kw)
+    hand = _loss_and_grads(ChunkedDPOLoss, {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v)
+                                            for k, v in x.items()}, **kw)
+    for name, a, b in zip(NAMES, auto, hand):
+        err = (a.double() - b.double()).abs().max().item()
+        scale = b.double().abs().max().item()
+        # the hand-cast gradients are rounded to `dtype` at the end, the autocast ones are fp32: allow that rounding
+        assert err <= 2 ** -7 * scale + 1e-6, f"{name}: autocast vs hand-cast differ by {err:.3g} (scale {scale:.3g})"
+
+
+def _max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def test_autocast_bf16_error_at_most_liger_s():
+    """torch.autocast("cpu", bf16), logit scale ~10: our error vs the fp32 truth <= 1.5x Liger's (same autocast)."""
+    liger = load_reference("dpo", "liger")
+    if liger is None:
+        pytest.skip("liger-kernel not installed")
+    x = _rounded(_dpo_inputs(torch.float32, w_scale=1.5), torch.bfloat16)
+    kw = dict(compute_nll_loss=True)
+    truth = _loss_and_grads(liger, x, compiled=False, **kw)
+    ours = _loss_and_grads(ChunkedDPOLoss, x, torch.bfloat16, token_chunk_size=16, **kw)
+    ref = _loss_and_grads(liger, x, torch.bfloat16, compiled=False, **kw)
+    bad = []
+    for name, o, r, t in zip(NAMES, ours, ref, truth):
+        e_o, e_r, scale = _max_err(o, t), _max_err(r, t), t.double().abs().max().item()
+        print(f"autocast bf16 {name:15s} ours {e_o:.3g} ({e_o / scale:.2%})  Liger {e_r:.3g} ({e_r / scale:.2%})")
+        if e_o > 1.5 * e_r + 1e-6 * scale:
+            bad.append(f"{name}: ours {e_o:.3g} > 1.5 x Liger {e_r:.3g}")
+    assert not bad, "\n".join(bad)
+
+
+def test_autocast_kto_forward_backward_consistent():
+    x = _rounded(_dpo_inputs(torch.float32, batch=4, w_scale=1.5), torch.bfloat16)
+    labels = torch.tensor([True, False, True, False])
+
+    def run(inp, autocast):
+        inp = leaf_copies(inp)
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+        with ctx:
+            loss, _ = ChunkedKTOLoss(use_ref_model=True, token_chunk_size=16)(
+                _input=inp["hidden"], lin_weight=inp["weight"], target=inp["target"], bias=inp["bias"],
+                preference_labels=labels, ref_input=inp["ref_hidden"], ref_weight=inp["ref_weight"],
+                ref_bias=inp["ref_bias"])
+        loss.backward()
+        return loss, inp["hidden"].grad, inp["weight"].grad
+
+    auto = run(x, True)
+    hand = run({k: (v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()},
+               False)
+    for a, b in zip(auto, hand):
+        assert _max_err(a, b) <= 2 ** -7 * b.double().abs().max().item() + 1e-6
+
+
+# -------------------------------------------------------------------------------------------- chunk sizing
+
+
+def test_default_chunk_is_a_memory_budget_per_device():
+    r = _core.resolve_token_chunk_size
+    assert r(None, 32_000) == 1048  # CPU, fp32: 128 MiB of fp32 logits, as before
+    assert r(None, 32_000, device="cpu", compute_dtype=torch.float32) == 1048
+    # CPU bf16 without an fp32-output GEMM: fp32 logits + their bf16 GEMM output share the same 128 MiB
+    assert r(None, 32_000, device="cpu", compute_dtype=torch.bfloat16) == (128 << 20) // (32_000 * 6)
+    big = r(None, 151_936, device="cuda", compute_dtype=torch.bfloat16)
+    assert 1024 <= big <= 2048, big  # 1 GiB on an accelerator: GEMMs of >1000 rows at Qwen's vocabulary
+    assert r(7, 151_936, device="cuda") == 7  # token_chunk_size still overrides
+    with pytest.raises(ValueError):
+        r(0, 10)
