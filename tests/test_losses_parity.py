@@ -2,8 +2,10 @@
 
 References (each part skips when its reference is not importable):
   * liger-kernel 0.8.5 ``LigerFusedLinearDPOLoss`` / ``LigerFusedLinearKTOLoss`` with ``compiled=False``;
-  * TRL 1.13's vendored ``trl.losses.FusedLinearDPOLoss`` / ``FusedLinearKTOLoss`` (CI pins trl 1.12.0, which has
-    no ``trl.losses`` -> skipped there; run by hand with ``PYTHONPATH=/tmp/trlv/1.13.0``);
+  * TRL 1.13's vendored ``trl.losses.FusedLinearDPOLoss`` / ``FusedLinearKTOLoss``: CI pins trl 1.12.0, which has
+    no ``trl.losses``, so the ``trl113`` cases skip in this process and ``test_trl_1_13_reference_cases`` reruns
+    them (and the trl113 error-parity cases of test_losses_guard.py) in a subprocess with the 1.13.0 release that
+    ``.ci/trl_matrix.sh --prepare-only`` unpacks first on ``PYTHONPATH``;
   * a materialised-logits reference written here (always runs).
 
 fp32 tolerance: rtol = atol = 1e-5, atol scaled by the reference tensor's magnitude when that exceeds 1 (see
@@ -16,6 +18,10 @@ accumulator vs per-chunk ``torch.func`` grads); with the O(1)-O(10) magnitudes u
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -25,6 +31,7 @@ from _loss_cases import DPO_LOSS_TYPES, IGNORE, close, leaf_copies, load_referen
 from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss
 from liger_ddp_patch.losses._core import token_logprobs
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = ATOL = 1e-5
 TINY_CHUNK = 4  # < L=13: every sequence is split across token chunks, chunks straddle rows
 
@@ -34,7 +41,7 @@ DPO_METRICS = ("chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected
 KTO_METRICS = ("chosen_logps_sum", "rejected_logps_sum", "chosen_logits_sum", "rejected_logits_sum",
                "chosen_rewards_sum", "rejected_rewards_sum")
 
-MAX_ERR: dict = {}
+MAX_ERR: dict = {}  # (reference, quantity) -> max |ours - ref| seen; printed by benchmarks/loss_errors.py
 
 
 def _ref_cls(kind, which):
@@ -285,9 +292,26 @@ def test_core_against_materialised_logits(chunk, dtype):
     assert torch.all(h1.grad[~mask] == 0)
 
 
-def test_zz_report_max_errors(capsys):
-    """Not a check: prints the max observed |ours - ref| per (reference, quantity) (run with -s)."""
-    with capsys.disabled():
-        print("\nmax abs error per (reference, quantity):")
-        for (tag, name), err in sorted(MAX_ERR.items()):
-            print(f"  {tag:22s} {name:22s} {err:.3g}")
+# ------------------------------------------------------------------------------------------- TRL 1.13 in CI
+
+TRL_DIRS = os.environ.get("LIGER_DDP_PATCH_TRL_DIRS", os.path.join(REPO_ROOT, ".cache", "trl"))
+
+
+def test_trl_1_13_reference_cases():
+    """The ``trl113`` cases against TRL 1.13's own ``trl.losses``, in a subprocess with that release first on the path.
+
+    Fails (instead of skipping) when any case skips there, i.e. when TRL 1.13's losses did not import.
+    """
+    trl113 = os.path.join(TRL_DIRS, "1.13.0")
+    if not os.path.isfile(os.path.join(trl113, "trl", "losses", "__init__.py")):
+        if os.environ.get("CI"):
+            pytest.fail(f"{trl113} missing: CI runs `bash .ci/trl_matrix.sh --prepare-only` before pytest")
+        pytest.skip(f"{trl113} not unpacked (bash .ci/trl_matrix.sh --prepare-only)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (trl113, REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
+    files = [os.path.join(REPO_ROOT, "tests", f) for f in ("test_losses_parity.py", "test_losses_guard.py")]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "trl113", *files],
+                          capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=1800)
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed.group(1)) >= 120 and "skipped" not in summary, summary
