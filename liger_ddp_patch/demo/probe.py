@@ -107,7 +107,8 @@ def run_one(kind: str, assets: str, args) -> dict:
         eval_steps=args.eval_steps or None,
         bf16=args.bf16,
         max_length=64,
-        use_cpu=True,
+        use_cpu=args.device == "cpu",
+        ddp_backend="gloo" if args.device == "cuda" else None,  # NCCL refuses two ranks on one GPU
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (0: no evaluation)")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--no-liger", action="store_true", help="use_liger_kernel=False: the reference run")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: each rank on cuda:LOCAL_RANK, gloo (two one-process nodes can share cuda:0)")
     parser.add_argument("--weights-out", help="rank 0 saves the final weights to WEIGHTS_OUT.<trainer>.pt")
     args = parser.parse_args(argv)
 
