@@ -148,8 +148,9 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
         compiled: accepted for compatibility and **ignored** -- nothing here is ever compiled.
         chunk_size: accepted for compatibility and **ignored** -- Liger's chunk_size counts *pairs* per chunk
             and the result does not depend on it; our memory is bounded by ``token_chunk_size`` instead.
-        token_chunk_size: (our own keyword) number of non-ignored tokens projected per chunk; ``None`` = auto
-            (``min(4096, 2**25 // V)``, i.e. a ~128 MiB fp32 logits buffer).
+        token_chunk_size: (our own keyword) number of non-ignored tokens projected per chunk; ``None`` = auto:
+            one chunk's logits fill a memory budget of 128 MiB on CPU and 1 GiB on an accelerator
+            (``_core.resolve_token_chunk_size``; 1048 tokens for fp32 on CPU at V=32000).
     """
 
     def __init__(

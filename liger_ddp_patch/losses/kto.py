@@ -58,7 +58,8 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
         ignore_index, beta, use_ref_model, average_log_prob: as in Liger.
         compiled: accepted and **ignored** (nothing is compiled).
         chunk_size: accepted and **ignored** (Liger's chunk counts rows; the result does not depend on it).
-        token_chunk_size: (our own keyword) non-ignored tokens projected per chunk; ``None`` = auto.
+        token_chunk_size: (our own keyword) non-ignored tokens projected per chunk; ``None`` = auto (a memory
+            budget per device type, see ``ChunkedDPOLoss``).
     """
 
     def __init__(
