@@ -2,18 +2,20 @@
 
 A :class:`Patch` says *what* to replace and *when*; :class:`Engine` does the rest: it registers one wrapt post-import
 hook per target module, gates each record on the installed version and on a shape check of the original, swaps the
-attribute, remembers the original for :meth:`Engine.unpatch`, and records every decision as a :class:`Status`.
+attribute (or, for a record without a replacement, only *arms* it: checked, nothing installed, for run-time code to
+consult through :meth:`Engine.original`), remembers the original for :meth:`Engine.unpatch`, and records every
+decision as a :class:`Status`. Replacements may record what they decide at run time with :meth:`Engine.note`.
 The engine knows nothing about any particular library; the records never see wrapt.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from . import log
 from .settings import Settings
 
 # No dataclasses and no logging at import time: this module loads in every process the package reaches, and those
@@ -30,6 +32,7 @@ APPLIED, PENDING, NOT_NEEDED, DISABLED, UNSUPPORTED, FAILED = (
 
 
 MARK = "__liger_ddp_patch__"  # set on every replacement we install, so a second engine never wraps it again
+ORIGINAL = "__liger_ddp_patch_original__"  # and the object it replaced, so a second engine can restore it
 
 
 class PatchError(RuntimeError):
@@ -40,7 +43,9 @@ class Patch(NamedTuple):
     """One declarative patch record.
 
     ``check(original)`` returns ``None`` when the original still looks like the code we fix, else the reason it does
-    not. ``replace(original)`` returns the object to install. Undo is always "put the original back".
+    not. ``replace(original, engine)`` returns the object to install (``engine`` offers :meth:`Engine.original` and
+    :meth:`Engine.note` to the replacement at run time); ``replace=None`` arms the record without installing
+    anything. Undo is always "put the original back".
     """
 
     name: str
@@ -51,7 +56,7 @@ class Patch(NamedTuple):
     fixed_in: str | None  # first release where upstream fixed it
     releases: tuple[str, ...]  # releases whose code we have read; any other version is "unknown": shape decides
     check: Callable[[Any], str | None]
-    replace: Callable[[Any], Any]
+    replace: Callable[[Any, Engine], Any] | None
     summary: str  # what the patch does, for the diagnostic
     # Modules without which the host never defines the target (it imports it only when they are importable):
     # a missing target is then "not needed", not "unsupported".
@@ -63,12 +68,17 @@ class Patch(NamedTuple):
 
 
 class Status:
-    """What happened to one patch: ``status`` is one of applied/pending/not_needed/disabled/unsupported/failed."""
+    """What happened to one patch: ``status`` is one of applied/pending/not_needed/disabled/unsupported/failed.
 
-    __slots__ = ("name", "target", "status", "reason", "version")
+    ``runtime`` holds what the installed patch decided while the program ran: per key (e.g. a trainer class), the
+    distinct decisions in the order first seen.
+    """
 
-    def __init__(self, name: str, target: str, status: str, reason: str, version: str | None = None):
+    __slots__ = ("name", "target", "status", "reason", "version", "runtime")
+
+    def __init__(self, name: str, target: str, status: str, reason: str, version: str | None = None, runtime=None):
         self.name, self.target, self.status, self.reason, self.version = name, target, status, reason, version
+        self.runtime: dict[str, list[str]] = {key: list(seen) for key, seen in (runtime or {}).items()}
 
     def as_dict(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in self.__slots__}
@@ -84,7 +94,7 @@ class _Applied(NamedTuple):
     parent: Any
     attr: str
     original: Any
-    replacement: Any
+    replacement: Any  # None: armed only, nothing installed
 
 
 def installed_version(distribution: str) -> str | None:
@@ -104,15 +114,6 @@ def _importable(module: str) -> bool:
         return find_spec(module) is not None
     except (ImportError, ValueError):
         return False
-
-
-def is_main_process() -> bool:
-    """Rank 0, local rank 0, or not launched distributed at all (torchrun/accelerate set these variables)."""
-    for var in ("RANK", "LOCAL_RANK"):
-        value = os.environ.get(var)
-        if value not in (None, "", "0"):
-            return False
-    return True
 
 
 def _resolve(module: Any, paths: Iterable[str]) -> tuple[Any, str, Any] | None:
@@ -170,7 +171,8 @@ class Engine:
         with self._lock:
             self.enabled = False
             for name, done in reversed(list(self._applied.items())):
-                setattr(done.parent, done.attr, done.original)
+                if done.replacement is not None:
+                    setattr(done.parent, done.attr, done.original)
                 self._set(name, DISABLED, "removed by liger_ddp_patch.unpatch()")
             self._applied.clear()
 
@@ -179,9 +181,19 @@ class Engine:
             return [Status(**s.as_dict()) for s in self._status.values()]
 
     def original(self, name: str) -> Any:
-        """The object a patch replaced (``None`` when it is not applied)."""
+        """The object a patch replaced, or the target an armed patch checked (``None`` when it is not applied)."""
         done = self._applied.get(name)
         return done.original if done else None
+
+    def note(self, name: str, key: str, decision: str) -> None:
+        """Record a run-time decision of patch ``name`` (kept once per distinct text, in order; cheap when known)."""
+        seen = self._status[name].runtime.get(key)
+        if seen is not None and decision in seen:
+            return
+        with self._lock:
+            self._status[name].runtime.setdefault(key, [])
+            if decision not in self._status[name].runtime[key]:
+                self._status[name].runtime[key].append(decision)
 
     def resolve_pending(self) -> None:
         """Import every target module still pending, so the report says what would happen in a real run."""
@@ -264,8 +276,10 @@ class Engine:
                 return self._set(record.name, NOT_NEEDED, f"{why}; upstream fixed this in {record.fixed_in}")
             return self._set(record.name, UNSUPPORTED, f"{why}; left untouched")
         parent, attr, original = found
+        earlier = ""
         if getattr(original, MARK, None) == record.name:  # e.g. the package loaded twice (importlib.reload)
-            return self._set(record.name, APPLIED, f"{record.summary} (already in place: patched by an earlier load)")
+            original = getattr(original, ORIGINAL)  # replace afresh from the true original, so unpatch() restores it
+            earlier = "; took over from an earlier load of the package"
         mismatch = record.check(original)
         if mismatch is not None:
             if not known and fixed is not None and version >= fixed:
@@ -277,16 +291,19 @@ class Engine:
                 )
             return self._set(record.name, UNSUPPORTED, f"shape check failed: {mismatch}; left untouched")
 
-        replacement = record.replace(original)
-        setattr(replacement, MARK, record.name)
-        setattr(parent, attr, replacement)
+        replacement = None
+        if record.replace is not None:
+            replacement = record.replace(original, self)
+            setattr(replacement, MARK, record.name)
+            setattr(replacement, ORIGINAL, original)
+            setattr(parent, attr, replacement)
         self._applied[record.name] = _Applied(parent, attr, original, replacement)
         where = f"{getattr(parent, '__name__', parent)}.{attr}"
         if known:
-            reason = f"{record.summary} ({where}, {dist} {raw} is affected)"
+            reason = f"{record.summary} ({where}, {dist} {raw} is affected{earlier})"
         else:
             reason = (
-                f"{record.summary} ({where}); {dist} {raw} is not a release we have verified, "
+                f"{record.summary} ({where}{earlier}); {dist} {raw} is not a release we have verified, "
                 "applied because the shape check matched the affected code"
             )
         self._set(record.name, APPLIED, reason)
@@ -302,17 +319,10 @@ class Engine:
         current.status, current.reason = status, reason
 
     def _log_summary(self, module: str, names: list[str]) -> None:
-        if not is_main_process():
-            return
-        import logging
+        """DEBUG when every patch went to plan (invisible by default); WARNING when one could not apply."""
         statuses = [self._status[n] for n in names]
         version = next((s.version for s in statuses if s.version), None)
         parts = [f"{s.name}={s.status}" + ("" if s.status == APPLIED else f" ({s.reason})") for s in statuses]
         bad = any(s.status in (UNSUPPORTED, FAILED) for s in statuses)
-        logging.getLogger("liger_ddp_patch").log(
-            logging.WARNING if bad else logging.INFO,
-            "liger_ddp_patch: %s imported (version %s): %s",
-            module,
-            version,
-            "; ".join(parts),
-        )
+        message = "liger_ddp_patch: %s imported (version %s): %s"
+        log.emit(30 if bad else 10, message, module, version, "; ".join(parts))  # logging.WARNING / DEBUG

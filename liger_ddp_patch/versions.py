@@ -11,10 +11,12 @@ from .patches import PATCHES, trl_versions as tv
 from .patches.compute_loss import SHAPES
 
 _DOES = {
-    "guarded": "runs TRL's own `compute_loss` inside the DDP wrapper's forward (gradients all-reduced again); "
-    "fused losses replaced by `ChunkedDPOLoss`/`ChunkedKTOLoss`",
-    "unredirected": "gives the Liger path the unwrapped model, inside the DDP wrapper's forward (no crash, "
-    "gradients all-reduced); fused losses replaced by `ChunkedDPOLoss`/`ChunkedKTOLoss`",
+    "guarded": "under DDP only: runs TRL's own `compute_loss` inside the DDP wrapper's forward (gradients all-reduced "
+    "again) and swaps the trainer's fused loss for `ChunkedDPOLoss`/`ChunkedKTOLoss`; any other setup runs TRL's code",
+    "unredirected": "under DDP only: gives the Liger path the unwrapped model, inside the DDP wrapper's forward (no "
+    "crash, gradients all-reduced; the inputs pass through the wrapper, as DDP with `device_ids` needs) and swaps the "
+    "trainer's fused loss for `ChunkedDPOLoss`/`ChunkedKTOLoss`; any other setup (ZeRO-3/FSDP included) runs TRL's "
+    "code",
     "fixed": "nothing: every patch reports `not_needed` (\"fixed upstream in trl 1.14.0\"); an import of the "
     "package changes nothing",
 }

@@ -19,15 +19,24 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def test_status_json_resolves_pending_and_reports_every_patch():
+    """The pinned TRL (1.12.0) is affected and has the shapes we fix: all four apply, exit code 0."""
     proc = cli("status", "--json")
     rows = {row["name"]: row for row in json.loads(proc.stdout)}
     assert set(rows) == {"dpo_compute_loss", "kto_compute_loss", "dpo_chunked_loss", "kto_chunked_loss"}
     import trl
 
     for row in rows.values():
-        assert row["status"] != "pending"
-        assert row["version"] == trl.__version__
-    assert proc.returncode == (0 if all(r["status"] in ("applied", "not_needed") for r in rows.values()) else 1)
+        assert (row["status"], row["version"], row["runtime"]) == ("applied", trl.__version__, {}), row
+    assert proc.returncode == 0
+
+
+def test_status_exits_1_when_a_patch_cannot_apply(tmp_path):
+    """Metadata says 1.8.0 (affected) but the code is 1.16.0's: every patch is unsupported, and the exit code says so."""
+    from test_versions import _fake
+
+    proc = cli("status", env={"PYTHONPATH": str(_fake(tmp_path, "1.8.0", "1.16.0"))})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.count("unsupported") == 4, proc.stdout
 
 
 def test_status_table_says_disabled():

@@ -44,8 +44,15 @@ def test_unpatched_control_desyncs(tiny_real):
     assert by_trainer(result)["dpo"]["differing"] == 25
 
 
+ROUTED = "routed through DistributedDataParallel.forward, fused loss {} → {}"
+ANNOUNCED = "liger_ddp_patch: DPOTrainer under DistributedDataParallel: " + ROUTED.format(
+    "LigerFusedLinearDPOLoss", "ChunkedDPOLoss"
+)
+
+
 def test_patched_real_vocab_is_in_sync(tiny_real):
-    result = run_probe(tiny_real, "before")
+    # --tee 3: torchrun prefixes every line with the rank that printed it ("[default0]:")
+    result = run_probe(tiny_real, "before", launch=("--tee", "3"))
     assert_in_sync(result)
     assert {row["name"]: row["status"] for row in result["report"]} == {
         "dpo_compute_loss": "applied",
@@ -54,6 +61,12 @@ def test_patched_real_vocab_is_in_sync(tiny_real):
         "kto_chunked_loss": "applied",
     }
     assert {r["loss_class"] for r in result["results"]} == {"ChunkedDPOLoss", "ChunkedKTOLoss"}
+    runtime = {row["name"]: row["runtime"] for row in result["report"]}
+    assert runtime["dpo_compute_loss"] == {"DPOTrainer": [ROUTED.format("LigerFusedLinearDPOLoss", "ChunkedDPOLoss")]}
+    assert runtime["kto_compute_loss"] == {"KTOTrainer": [ROUTED.format("LigerFusedLinearKTOLoss", "ChunkedKTOLoss")]}
+    # one line, on rank 0 only, once per process (DPO ran first; KTO adds none), with logging never configured
+    announced = [line for line in result["log"].splitlines() if "under DistributedDataParallel" in line]
+    assert announced == [f"[default0]:{ANNOUNCED} (TRL #7245)"], announced
 
 
 @pytest.mark.parametrize("trainer", ["dpo", "kto"])

@@ -45,7 +45,7 @@ def record(module: str, *, calls: list | None = None, **overrides) -> Patch:
     def check(original):
         return None if "broken" in original(None, None) else "step() no longer returns 'broken'"
 
-    def replace(original):
+    def replace(original, engine):
         if calls is not None:
             calls.append(original)
 
@@ -165,7 +165,7 @@ def test_first_present_candidate_attribute_wins(fakelib, monkeypatch):
     assert mod.Trainer().step(1) == "patched"
 
 
-def boom(original):
+def boom(original, engine):
     raise RuntimeError("kaboom")
 
 
@@ -197,7 +197,7 @@ def test_disabled_by_name(fakelib, monkeypatch):
 
 
 def test_summary_is_logged_on_the_main_process_only(fakelib, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="liger_ddp_patch")
+    caplog.set_level(logging.DEBUG, logger="liger_ddp_patch")
     monkeypatch.setenv("RANK", "1")
     run(fakelib(), "1.12.0", monkeypatch)
     assert not caplog.records
@@ -206,7 +206,8 @@ def test_summary_is_logged_on_the_main_process_only(fakelib, monkeypatch, caplog
     name = fakelib()
     run(name, "1.12.0", monkeypatch)
     (line,) = [r for r in caplog.records if name in r.getMessage()]
-    assert line.levelno == logging.INFO and "fix_step=applied" in line.getMessage()
+    # DEBUG: a patch that went to plan is invisible by default ("invisible when it works")
+    assert line.levelno == logging.DEBUG and "fix_step=applied" in line.getMessage()
 
 
 def test_failures_are_logged_as_warnings(fakelib, monkeypatch, caplog):
@@ -218,28 +219,43 @@ def test_failures_are_logged_as_warnings(fakelib, monkeypatch, caplog):
     assert line.levelno == logging.WARNING and "fix_step=unsupported (shape check failed" in line.getMessage()
 
 
-def test_concurrent_imports_patch_once(fakelib, monkeypatch):
+def test_an_import_hook_and_apply_racing_patch_once(fakelib, monkeypatch):
+    """A thread's TRL import fires the hook while another thread calls apply(): one replacement, not two.
+
+    The replace() of the first thread waits (up to 0.5 s) for a second one to join it; only the engine's lock keeps
+    the other thread out (without it both threads are inside replace() together and the target is wrapped twice).
+    """
     import threading
 
-    names = [fakelib(), fakelib()]
+    name = fakelib()
     calls: list = []
+    inside, together = threading.Event(), threading.Barrier(2)
+
+    def replace(original, engine):
+        calls.append(original)
+        inside.set()
+        try:
+            together.wait(timeout=0.5)
+        except threading.BrokenBarrierError:
+            pass
+
+        def step(self, x):
+            return "patched"
+
+        return step
+
     monkeypatch.setattr(engine_mod, "installed_version", lambda dist: "1.12.0")
-    records = [record(n, calls=calls, name=f"fix_{i}") for i, n in enumerate(names)]
-    engine = Engine(records, Settings())
+    engine = Engine([record(name, replace=replace)], Settings())
     engine.install()
-    barrier = threading.Barrier(4)
-
-    def worker(name):
-        barrier.wait()
-        importlib.import_module(name)
-
-    threads = [threading.Thread(target=worker, args=(n,)) for n in names * 2]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert len(calls) == 2
-    assert all(sys.modules[n].Trainer().step(1) == "patched" for n in names)
+    importer = threading.Thread(target=importlib.import_module, args=(name,))
+    importer.start()
+    assert inside.wait(timeout=10)
+    applier = threading.Thread(target=engine.apply)
+    applier.start()
+    importer.join()
+    applier.join()
+    assert len(calls) == 1
+    assert sys.modules[name].Trainer().step(1) == "patched"
 
 
 def test_missing_target_of_an_absent_optional_dependency_is_not_needed(fakelib, monkeypatch):
@@ -253,13 +269,34 @@ def test_missing_target_of_an_absent_optional_dependency_is_not_needed(fakelib, 
     assert status(engine).reason.endswith("optional_dep is not installed, so it never is")
 
 
-def test_a_target_already_replaced_by_this_package_is_not_wrapped_twice(fakelib, monkeypatch):
+def test_a_second_engine_takes_over_from_the_first_and_restores_the_true_original(fakelib, monkeypatch):
+    """What ``importlib.reload(liger_ddp_patch)`` does: a new engine meets the old one's replacement."""
     name = fakelib()
     calls: list = []
-    _, mod = run(name, "1.12.0", monkeypatch)
-    ours = mod.Trainer.__dict__["step"]
-    assert getattr(ours, engine_mod.MARK) == "fix_step"  # what a second load of the package would find
+    first, mod = run(name, "1.12.0", monkeypatch)
+    true_original = first.original("fix_step")
     second = Engine([record(name, calls=calls)], Settings())
     second.install()
-    assert calls == [] and mod.Trainer.__dict__["step"] is ours
-    assert status(second).status == "applied" and "already in place" in status(second).reason
+    assert calls == [true_original]  # replaced afresh from the true original: never wrapped twice
+    assert mod.Trainer.__dict__["step"].__wrapped__ is true_original
+    assert status(second).status == "applied" and "took over from an earlier load" in status(second).reason
+    second.unpatch()
+    assert mod.Trainer.__dict__["step"] is true_original
+
+
+def test_a_record_without_replacement_is_armed_not_installed(fakelib, monkeypatch):
+    name = fakelib()
+    engine, mod = run(name, "1.12.0", monkeypatch, replace=None)
+    original = mod.Trainer.__dict__["step"]
+    assert status(engine).status == "applied" and engine.original("fix_step") is original
+    assert mod.Trainer().step(1) == "broken"  # nothing installed
+    engine.unpatch()
+    assert engine.original("fix_step") is None and mod.Trainer.__dict__["step"] is original
+
+
+def test_run_time_notes_are_kept_once_each_in_order(fakelib, monkeypatch):
+    engine, _ = run(fakelib(), "1.12.0", monkeypatch)
+    for decision in ("routed", "left alone", "routed"):
+        engine.note("fix_step", "Trainer", decision)
+    assert status(engine).runtime == {"Trainer": ["routed", "left alone"]}
+    assert status(engine).as_dict()["runtime"] == {"Trainer": ["routed", "left alone"]}

@@ -59,7 +59,16 @@ def test_periodic_evaluation_matches_liger_off(runs, trainer):
 
 
 def test_bf16_stays_in_sync(tiny_small):
-    result = run_probe(tiny_small, "before", extra=("--steps", "2", "--bf16"))
+    """A bf16 model (what GPU users load) under bf16=True: the chunked loss really gets bf16 tensors, and DDP syncs.
+
+    Control: with fp32 weights and bf16=True alone, TRL hands the loss fp32 tensors with autocast off, so the bf16
+    branch of the loss would never run; the probe's record of what the loss saw shows which one ran.
+    """
+    result = run_probe(tiny_small, "before", extra=("--steps", "2", "--bf16", "--model-dtype", "bfloat16"))
+    mixed = run_probe(tiny_small, "before", trainers="dpo", extra=("--steps", "1", "--bf16"))
     for run in result["results"]:
         assert "error" not in run, run.get("trace")
         assert (run["differing"], run["max_abs_diff"]) == (0, 0.0), run
+    runs = {r["trainer"]: r for r in result["results"]}
+    assert "torch.bfloat16" in runs["dpo"]["loss_saw"]["ChunkedDPOLoss"], runs["dpo"]["loss_saw"]
+    assert mixed["results"][0]["loss_saw"]["ChunkedDPOLoss"] == ["autocast=False", "torch.float32"]

@@ -36,15 +36,19 @@ def test_liger_kernel_absent_leaves_the_fused_loss_patches_not_needed_even_in_st
         assert rows[name]["reason"].endswith("liger_kernel is not installed, so it never is")
 
 
-def test_loading_the_package_twice_does_not_wrap_twice():
+def test_reload_then_unpatch_restores_trls_own_functions():
+    """``importlib.reload(liger_ddp_patch)``: the new engine takes over (never wraps twice) and can undo everything."""
     code = (
-        "import importlib, liger_ddp_patch\nfrom trl import DPOTrainer\nfirst = DPOTrainer.compute_loss\n"
-        "importlib.reload(liger_ddp_patch)\nassert DPOTrainer.compute_loss is first\n"
-        "assert first.__wrapped__.__module__ == 'trl.trainer.dpo_trainer'\n"
+        "import importlib, liger_ddp_patch\nfrom trl import DPOTrainer, KTOTrainer\n"
+        "trl_own = {c: c.__dict__['compute_loss'].__wrapped__ for c in (DPOTrainer, KTOTrainer)}\n"
+        "assert all(f.__module__.startswith('trl.') for f in trl_own.values())\n"
+        "importlib.reload(liger_ddp_patch)\n"
+        "assert all(c.__dict__['compute_loss'].__wrapped__ is f for c, f in trl_own.items())  # not wrapped twice\n"
+        "liger_ddp_patch.unpatch()\n"
+        "assert all(c.__dict__['compute_loss'] is f for c, f in trl_own.items()), 'unpatch() left our wrapper'\n"
     )
     rows = statuses(python(code + REPORT))
-    for name in ("dpo_compute_loss", "dpo_chunked_loss"):
-        assert rows[name]["status"] == "applied" and "already in place" in rows[name]["reason"], rows[name]
+    assert {row["status"] for row in rows.values()} == {"disabled"}
 
 
 def test_strict_mode_raises_from_the_trl_import_when_a_patch_cannot_apply(tmp_path):

@@ -39,13 +39,19 @@ def read(out: Path, procs: list[subprocess.CompletedProcess]) -> dict:
     return json.loads(out.read_text())["results"][0]
 
 
-def test_accelerate_launch_with_sitecustomize(tiny_small, tmp_path):
+@pytest.mark.parametrize("injected", [False, True], ids=["control", "sitecustomize"])
+def test_accelerate_launch(tiny_small, tmp_path, injected):
+    """`accelerate launch` on 2 CPU processes; the package arrives only through the sitecustomize example."""
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *probe_args(tiny_small, out)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env_with([EXAMPLE]), capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    env = env_with([EXAMPLE] if injected else [])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     result = read(out, [proc])
-    assert (result["differing"], result["max_abs_diff"], result["loss_class"]) == (0, 0.0, "ChunkedDPOLoss"), result
+    if injected:
+        assert (result["differing"], result["max_abs_diff"], result["loss_class"]) == (0, 0.0, "ChunkedDPOLoss"), result
+    else:
+        assert result["differing"] > 0 and result["loss_class"] == "LigerFusedLinearDPOLoss", result
 
 
 @pytest.mark.parametrize("injected", [False, True], ids=["control", "liger-ddp-patch-run"])

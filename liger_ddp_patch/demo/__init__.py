@@ -27,16 +27,19 @@ def run_probe(
     nproc: int = 2,
     timeout: float = 900,
     extra: tuple[str, ...] = (),
+    launch: tuple[str, ...] = (),
 ) -> dict:
     """Run the probe under ``torchrun`` and return rank 0's JSON (``log`` holds the combined output).
 
-    ``extra`` passes more probe options (``--steps``, ``--grad-accum``, ``--eval-steps``, ``--bf16``, ...).
+    ``nproc=0`` runs it as one plain process, without torchrun. ``extra`` passes more probe options (``--steps``,
+    ``--grad-accum``, ``--eval-steps``, ``--bf16``, ``--grads-out``, ...), ``launch`` more torchrun options.
     """
     out = Path(tempfile.mkdtemp(prefix="liger-ddp-probe-")) / "result.json"
     full_env = {**os.environ, **(env or {}), "PROBE_PATCH": mode, "OMP_NUM_THREADS": "1"}
     full_env["PYTHONPATH"] = os.pathsep.join([*pythonpath, PACKAGE_ROOT, full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(PROBE),
-           "--assets", str(assets), "--trainers", trainers, "--out", str(out), *extra]  # fmt: skip
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launch] if nproc else []
+    cmd = [sys.executable, *launcher, str(PROBE), "--assets", str(assets), "--trainers", trainers, "--out", str(out),
+           *extra]  # fmt: skip
     proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if not out.exists():
         raise RuntimeError(f"probe produced no result (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")

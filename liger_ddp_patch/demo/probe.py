@@ -1,7 +1,8 @@
 """The 2-rank probe, run under ``torchrun`` as a plain script (it never imports this package unless asked): one DPO/KTO Liger step per trainer, then compare gradients across ranks.
 
 Each rank trains on different rows, so gradients that were never all-reduced differ. Rank 0 writes a JSON result to
-``--out``. ``PROBE_PATCH`` says how the package arrives: ``before`` (imported before TRL), ``after`` (after
+``--out``. Run without torchrun it is one plain process; ``--grads-out`` then keeps the gradients for a bitwise
+comparison between runs. ``PROBE_PATCH`` says how the package arrives: ``before`` (imported before TRL), ``after`` (after
 ``from trl import ...``), ``late`` (after the trainers are built), ``none`` (never imported here; a
 ``sitecustomize`` may still bring it).
 """
@@ -69,6 +70,25 @@ def prompt_rows(rank: int, n: int = 32) -> list[dict]:
     ]
 
 
+def _watch_losses(seen: dict) -> object:
+    """Note the dtypes and autocast state each DPO/KTO loss module sees (to show which precision really ran)."""
+
+    def hook(module, args):  # global hooks get positional arguments only (KTO passes keywords: autocast state only)
+        name = type(module).__name__
+        if name.endswith(("DPOLoss", "KTOLoss")):
+            tensors = [a for a in args if torch.is_tensor(a) and a.is_floating_point()]
+            seen.setdefault(name, sorted({str(t.dtype) for t in tensors} | {f"autocast={torch.is_autocast_enabled('cpu')}"}))
+
+    return torch.nn.modules.module.register_module_forward_pre_hook(hook)
+
+
+def save_gradients(model: torch.nn.Module, path: str) -> dict:
+    """One process: keep every gradient for a bitwise comparison between runs."""
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.save(grads, path)
+    return {"params": len(grads)}
+
+
 def compare_across_ranks(model: torch.nn.Module) -> dict:
     """Gradients of every parameter gathered from all ranks: how many differ from rank 0, and by how much."""
     world = dist.get_world_size()
@@ -94,7 +114,7 @@ def run_one(kind: str, assets: str, args) -> dict:
     config_cls, trainer_cls = _trainer_classes(kind)
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     tokenizer = AutoTokenizer.from_pretrained(assets)
-    model = AutoModelForCausalLM.from_pretrained(assets, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(assets, dtype=getattr(torch, args.model_dtype))
     config = config_cls(
         output_dir=tempfile.mkdtemp(prefix=f"probe-{kind}-"),
         use_liger_kernel=not args.no_liger,
@@ -106,6 +126,7 @@ def run_one(kind: str, assets: str, args) -> dict:
         eval_strategy="steps" if args.eval_steps else "no",
         eval_steps=args.eval_steps or None,
         bf16=args.bf16,
+        logging_steps=1,
         max_length=64,
         use_cpu=args.device == "cpu",
         ddp_backend="gloo" if args.device == "cuda" else None,  # NCCL refuses two ranks on one GPU
@@ -127,13 +148,24 @@ def run_one(kind: str, assets: str, args) -> dict:
 
     class GradProbe(TrainerCallback):
         def on_pre_optimizer_step(self, _args, state, control, **kwargs):
-            result.update(compare_across_ranks(trainer.accelerator.unwrap_model(trainer.model)))
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            if dist.is_initialized():
+                result.update(compare_across_ranks(model))
+            elif args.grads_out and state.global_step == 0:
+                result.update(save_gradients(model, f"{args.grads_out}.{kind}.pt"))
 
     if PATCH_MODE == "late":
         import liger_ddp_patch  # noqa: F401  (the trainer already holds a fused loss: the patch must convert it)
     trainer.add_callback(GradProbe())
     result["callbacks"] = [type(c).__name__ for c in trainer.callback_handler.callbacks]  # e.g. the sync verifier
-    trainer.train()
+    seen: dict = {}
+    handle = _watch_losses(seen)
+    try:
+        trainer.train()
+    finally:
+        handle.remove()
+    result["loss_saw"] = seen
+    result["history"] = trainer.state.log_history
     result["evals"] = [h for h in trainer.state.log_history if "eval_loss" in h]
     if args.weights_out and rank == 0:
         weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
@@ -153,11 +185,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=1, help="optimizer steps")
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (0: no evaluation)")
-    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--bf16", action="store_true", help="TRL's bf16=True (mixed precision; the loss still sees fp32)")
+    parser.add_argument("--model-dtype", default="float32", help="e.g. bfloat16: the loss then gets bf16 tensors")
     parser.add_argument("--no-liger", action="store_true", help="use_liger_kernel=False: the reference run")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: each rank on cuda:LOCAL_RANK, gloo (two one-process nodes can share cuda:0)")
     parser.add_argument("--weights-out", help="rank 0 saves the final weights to WEIGHTS_OUT.<trainer>.pt")
+    parser.add_argument("--grads-out", help="one process (no torchrun): save the first step's gradients to GRADS_OUT.<trainer>.pt")
     args = parser.parse_args(argv)
 
     if PATCH_MODE == "after":

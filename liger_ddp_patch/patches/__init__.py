@@ -24,8 +24,9 @@ PATCHES = (
         module=TRL_DPO,
         attribute=("DPOTrainer.compute_loss",),
         check=compute_loss.check,
-        replace=compute_loss.replace,
-        summary="Liger DPO loss run on the unwrapped model through the DDP wrapper's forward",
+        replace=compute_loss.replacer("dpo_compute_loss", "dpo_chunked_loss", chunked_loss.dpo_ours),
+        summary="routes the Liger DPO loss of trainers that run under DistributedDataParallel through the wrapper's "
+        "forward; every other setup runs TRL's own code",
         **_COMMON,
     ),
     Patch(
@@ -33,8 +34,9 @@ PATCHES = (
         module=TRL_KTO,
         attribute=("KTOTrainer.compute_loss",),
         check=compute_loss.check,
-        replace=compute_loss.replace,
-        summary="Liger KTO loss run on the unwrapped model through the DDP wrapper's forward",
+        replace=compute_loss.replacer("kto_compute_loss", "kto_chunked_loss", chunked_loss.kto_ours),
+        summary="routes the Liger KTO loss of trainers that run under DistributedDataParallel through the wrapper's "
+        "forward; every other setup runs TRL's own code",
         **_COMMON,
     ),
     Patch(
@@ -42,9 +44,9 @@ PATCHES = (
         module=TRL_DPO,
         attribute=("LigerFusedLinearDPOLoss", "FusedLinearDPOLoss"),
         check=chunked_loss.dpo_check,
-        replace=chunked_loss.dpo_replace,
+        replace=None,  # armed: the compute_loss patch swaps a DDP trainer's loss object at run time
         requires=("liger_kernel",),  # 1.0.0-1.12.0 import the fused loss only when liger-kernel is installed
-        summary="fused DPO loss replaced by liger_ddp_patch.losses.ChunkedDPOLoss",
+        summary="swaps the fused loss of DPO trainers that run under DistributedDataParallel for ChunkedDPOLoss",
         **_COMMON,
     ),
     Patch(
@@ -52,9 +54,9 @@ PATCHES = (
         module=TRL_KTO,
         attribute=("LigerFusedLinearKTOLoss", "FusedLinearKTOLoss"),
         check=chunked_loss.kto_check,
-        replace=chunked_loss.kto_replace,
+        replace=None,  # armed: the compute_loss patch swaps a DDP trainer's loss object at run time
         requires=("liger_kernel",),  # 1.0.0-1.12.0 import the fused loss only when liger-kernel is installed
-        summary="fused KTO loss replaced by liger_ddp_patch.losses.ChunkedKTOLoss",
+        summary="swaps the fused loss of KTO trainers that run under DistributedDataParallel for ChunkedKTOLoss",
         **_COMMON,
     ),
 )

@@ -1,12 +1,14 @@
-"""Build our chunked losses where TRL builds Liger's fused ones.
+"""Give DDP trainers our chunked losses in place of the fused ones TRL built.
 
 The fused DPO/KTO losses (Liger's ``LigerFusedLinear{DPO,KTO}Loss``; TRL 1.13's vendored
 ``trl.losses.FusedLinear{DPO,KTO}Loss``) run ``torch.func.grad_and_value`` under ``torch.compile``. Inside
 ``DistributedDataParallel.forward`` (where the compute_loss patch now runs them) that raises
 ``NotImplementedError: Cannot access storage of TensorWrapper`` once the vocabulary is real-size. Upstream moved DPO to
-a chunked log-prob path for the same reason (TRL PR #7243). We replace the name the trainer module constructs,
-so trainers built afterwards get :mod:`liger_ddp_patch.losses`; a trainer built before is converted on its next
-``compute_loss`` (see :func:`adopt_stale_loss`).
+a chunked log-prob path for the same reason (TRL PR #7243).
+
+Nothing is replaced at import: the record only checks the fused class and is *armed*; a trainer's loss object is swapped
+(settings kept) the first time that trainer computes a loss under DistributedDataParallel (:func:`swap`, called by
+the compute_loss patch). One process, DataParallel, DeepSpeed and FSDP keep TRL's own loss object.
 """
 
 from __future__ import annotations
@@ -40,15 +42,8 @@ def _checker(kind: str):
     return check
 
 
-def _replacer(kind: str):
-    def replace(original: Any) -> type:
-        return _ours(kind)
-
-    return replace
-
-
-dpo_check, dpo_replace = _checker("dpo"), _replacer("dpo")
-kto_check, kto_replace = _checker("kto"), _replacer("kto")
+dpo_check, kto_check = _checker("dpo"), _checker("kto")
+dpo_ours, kto_ours = (lambda: _ours("dpo")), (lambda: _ours("kto"))
 
 
 # Where each release keeps the fused loss it built: ``liger_loss`` (1.8.0+), ``liger_loss_fn`` (DPO before 1.8.0, KTO
@@ -56,23 +51,27 @@ kto_check, kto_replace = _checker("kto"), _replacer("kto")
 LOSS_ATTRIBUTES = ("liger_loss", "liger_loss_fn", "kto_loss_fn")
 
 
-def adopt_stale_loss(trainer: Any) -> None:
-    """Swap a fused loss built before the patch for ours, keeping its settings (cheap no-op otherwise)."""
+def swap(trainer: Any, fused: type | None, ours: type, patch: str) -> str:
+    """Give ``trainer`` our loss in place of its fused one (settings kept); say what happened, for the record.
+
+    Called only when the trainer runs under DistributedDataParallel, so every other configuration keeps TRL's own
+    loss object. ``fused`` is the class the ``patch`` record checked (``None`` when that patch is not applied).
+    """
     attribute = next((a for a in LOSS_ATTRIBUTES if getattr(trainer, a, None) is not None), None)
     if attribute is None:
-        return
+        return "no fused loss to swap"
     loss = getattr(trainer, attribute)
-    if type(loss).__module__.startswith("liger_ddp_patch."):
-        return
-    from .. import _engine
+    if isinstance(loss, ours):
+        return getattr(loss, _SWAPPED, f"loss {ours.__name__}")
+    if fused is None:
+        return f"fused loss {type(loss).__name__} kept ({patch} is not applied)"
+    if type(loss) is not fused:
+        return f"loss {type(loss).__name__} kept (not the {fused.__name__} that {patch} checked)"
+    settings = {p: getattr(loss, p) for p in _shape.parameters(ours.__init__)[1:] if hasattr(loss, p)}
+    replacement = ours(**settings)
+    setattr(replacement, _SWAPPED, f"fused loss {fused.__name__} → {ours.__name__}")
+    setattr(trainer, attribute, replacement)
+    return getattr(replacement, _SWAPPED)
 
-    for name, kind in (("dpo_chunked_loss", "dpo"), ("kto_chunked_loss", "kto")):
-        original = _engine.original(name)
-        if original is not None and type(loss) is original:
-            ours = _ours(kind)
-            settings = {p: getattr(loss, p) for p in _shape.parameters(ours.__init__)[1:] if hasattr(loss, p)}
-            setattr(trainer, attribute, ours(**settings))
-            import logging
 
-            logging.getLogger("liger_ddp_patch").info("liger_ddp_patch: replaced the %s built before the patch with %s", original.__name__, ours.__name__)
-            return
+_SWAPPED = "_liger_ddp_patch_swapped"  # what swap() said when it made this loss: later calls say the same

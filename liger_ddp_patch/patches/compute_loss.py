@@ -2,9 +2,10 @@
 
 TRL 1.9.0-1.13.0 call ``_compute_loss_liger`` on the unwrapped model unless ZeRO-3 or FSDP is on, so under plain
 DDP ``DistributedDataParallel.forward()`` never runs, its reducer is never armed and gradients are never all-reduced.
-Upstream's fix (TRL 1.14.0; PRs #7243 and #7247) redirects whenever ``model is not unwrapped_model``. We do the same,
-by calling the *original* ``compute_loss`` inside the wrapper's forward: everything else it does (the non-Liger path,
-the ZeRO-3/FSDP redirect, the re-raised image-token ``ValueError``) stays exactly TRL's own code.
+Upstream's fix (TRL 1.14.0; PRs #7243 and #7247) redirects whenever ``model is not unwrapped_model``. We redirect
+only when that wrapper is ``DistributedDataParallel`` (see :func:`decide`), by calling the *original* ``compute_loss``
+inside the wrapper's forward: every other configuration, and everything else the original does (the non-Liger path,
+the ZeRO-3/FSDP redirect, the re-raised image-token ``ValueError``), stays exactly TRL's own code.
 
 TRL 1.0.0-1.8.0 pass the DDP wrapper itself into the Liger path, which crashes (no ``get_decoder``/``base_model``
 on ``DistributedDataParallel``). The same replacement fixes that: the original runs on the unwrapped model, inside
@@ -14,9 +15,11 @@ the wrapper's forward. Which releases have which shape: :mod:`.trl_versions`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
-from . import _shape
+from .. import log
+from . import _shape, chunked_loss
 
 # The code shapes we know how to fix, by name (trl_versions.LINES says which release has which). Each entry is one
 # thing the replacement relies on; the check names the first one missing.
@@ -98,11 +101,29 @@ def _uses_liger(trainer: Any) -> bool:
     return bool(flag)
 
 
-def _redirect(wrapper: Any, inner: Any, method: Any, *args: Any) -> Any:
-    """Run ``method(*args)`` as ``inner``'s forward, called through ``wrapper`` so DDP's forward bookkeeping runs.
+def decide(model: Any, unwrapped: Any, uses_liger: bool) -> tuple[bool, str]:
+    """``(route through the wrapper?, what that means)`` for the model the Trainer handed to ``compute_loss``.
 
-    TRL 1.9+ trainers carry ``_forward_redirection``; older DPO/KTO trainers do not, so this is our own: swap
-    ``inner.forward`` for one call, call the wrapper with no inputs (DDP hands them straight to ``inner``), restore.
+    Only ``DistributedDataParallel`` (or a subclass) is broken: its reducer is armed by its own ``forward`` alone.
+    Everything else keeps TRL's code: ``DataParallel`` would scatter the inputs over the GPUs while the original runs
+    on the un-replicated module; a DeepSpeed engine (any ZeRO stage) and FSDP reduce gradients through their own
+    hooks, and TRL already redirects ZeRO-3/FSDP itself; an unwrapped model (one process, evaluation) needs nothing.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not uses_liger:
+        return False, "use_liger_kernel=False: left to TRL"
+    if isinstance(model, DistributedDataParallel):
+        return True, f"routed through {type(model).__name__}.forward"
+    return False, f"{'no wrapper' if model is unwrapped else type(model).__name__}: left to TRL"
+
+
+def _redirect(wrapper: Any, inner: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``method(*args, **kwargs)`` as ``inner``'s forward, called through ``wrapper`` so its forward runs.
+
+    TRL 1.9+ trainers carry ``_forward_redirection``; older DPO/KTO trainers do not, so this is our own. The inputs go
+    through ``wrapper(*args, **kwargs)`` as in TRL's: DDP built with ``device_ids`` (every GPU job) moves them to its
+    device and hands them on; called without inputs it fails (``IndexError`` in ``_pre_forward``).
     """
     own = "forward" in vars(inner)
     saved = vars(inner).get("forward")
@@ -113,38 +134,42 @@ def _redirect(wrapper: Any, inner: Any, method: Any, *args: Any) -> Any:
         else:
             vars(inner).pop("forward", None)
 
-    def forward(*_: Any, **__: Any) -> Any:
+    def forward(*moved_args: Any, **moved_kwargs: Any) -> Any:
         restore()  # the method may call inner itself: give it the real forward
-        return method(*args)
+        return method(*moved_args, **moved_kwargs)
 
     inner.forward = forward
     try:
-        return wrapper()
+        return wrapper(*args, **kwargs)
     finally:
         restore()
 
 
-def _is_sharded(trainer: Any) -> bool:
-    """ZeRO-3 or FSDP: the original already redirects those itself."""
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    return bool(trainer.is_fsdp_enabled) or (plugin is not None and plugin.zero_stage == 3)
+def replacer(name: str, loss_patch: str, ours: Callable[[], type]) -> Callable[[Any, Any], Any]:
+    """The ``replace`` of the compute_loss record ``name``; ``loss_patch`` names the record that arms the loss swap."""
 
+    def replace(original: Any, engine: Any) -> Any:
+        @functools.wraps(original)
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            uses_liger = _uses_liger(self)
+            unwrapped = self.accelerator.unwrap_model(model) if uses_liger else model
+            route, decision = decide(model, unwrapped, uses_liger)
+            trainer = type(self).__name__
+            if not route:
+                engine.note(name, trainer, decision)
+                return original(self, model, inputs, return_outputs, num_items_in_batch)
+            swap = chunked_loss.swap(self, engine.original(loss_patch), ours(), loss_patch)
+            decision = f"{decision}, {swap}"
+            engine.note(name, trainer, decision)
+            log.announce("liger_ddp_patch: %s under DistributedDataParallel: %s (TRL #7245)", trainer, decision)
 
-def replace(original: Any) -> Any:
-    from .chunked_loss import adopt_stale_loss
+            # Inside the wrapper's forward the original sees an unwrapped model and takes its plain Liger path.
+            def run(unwrapped_model, inputs, return_outputs):
+                return original(self, unwrapped_model, inputs, return_outputs, num_items_in_batch)
 
-    @functools.wraps(original)
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if _uses_liger(self):
-            adopt_stale_loss(self)
-            unwrapped = self.accelerator.unwrap_model(model)
-            if model is not unwrapped and not _is_sharded(self):
-                # Inside the wrapper's forward the original sees an unwrapped model and takes its plain Liger path.
-                def run(unwrapped_model, inputs, return_outputs):
-                    return original(self, unwrapped_model, inputs, return_outputs, num_items_in_batch)
+            redirect = getattr(self, "_forward_redirection", None) or _redirect
+            return redirect(model, unwrapped, run, unwrapped, inputs, return_outputs)
 
-                redirect = getattr(self, "_forward_redirection", None) or _redirect
-                return redirect(model, unwrapped, run, unwrapped, inputs, return_outputs)
-        return original(self, model, inputs, return_outputs, num_items_in_batch)
+        return compute_loss
 
-    return compute_loss
+    return replace
