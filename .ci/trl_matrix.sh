@@ -6,7 +6,7 @@
 # of the process under test, so torch/transformers/accelerate/datasets stay the ones installed once.
 #
 #   .ci/trl_matrix.sh            # unpack the `always` releases, run tests/test_versions.py + tests/test_matrix.py
-#   LIGER_DDP_PATCH_FULL_MATRIX=1 .ci/trl_matrix.sh   # every release in liger_ddp_patch/patches/trl_versions.py
+#   LIGER_DDP_PATCH_FULL_MATRIX=1 .ci/trl_matrix.sh   # every release in liger_ddp_patch/patches/trl_versions.py (plan: tests/matrix.py)
 #   .ci/trl_matrix.sh --prepare-only                   # only unpack (e.g. to warm a CI cache)
 #
 # Env: LIGER_DDP_PATCH_TRL_DIRS (default .cache/trl), LIGER_DDP_PATCH_LIGER_DIRS (default .cache/liger-kernel),
@@ -21,9 +21,9 @@ PY="${PYTHON:-python}"
 prepare_only=0
 if [[ "${1:-}" == "--prepare-only" ]]; then prepare_only=1; shift; fi
 
-full=False
-if [[ "${LIGER_DDP_PATCH_FULL_MATRIX:-}" == "1" ]]; then full=True; fi
-versions=$("$PY" -c "from liger_ddp_patch.patches.trl_versions import ci_versions; print(*ci_versions($full))")
+full=
+if [[ "${LIGER_DDP_PATCH_FULL_MATRIX:-}" == "1" ]]; then full=--full; fi
+versions=$("$PY" tests/matrix.py ci-versions $full)
 
 unpack() {  # unpack DIST VERSION ROOT MODULE
   local dir="$3/$2"

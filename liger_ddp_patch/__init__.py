@@ -21,8 +21,14 @@ __version__ = "0.1.0"
 _engine = Engine(_PATCHES, _settings.read(_NAMES))
 
 
-def report() -> list[Status]:
-    """One :class:`Status` per patch: name, target, status, reason, detected TRL version."""
+def report(resolve: bool = False) -> list[Status]:
+    """One :class:`Status` per patch: name, target, status, reason, detected TRL version, run-time decisions.
+
+    ``resolve=True`` first imports every trainer module still pending, so "pending" becomes the answer a real run
+    would get (``liger-ddp-patch status`` does this).
+    """
+    if resolve:
+        _engine.resolve_pending()
     return _engine.report()
 
 

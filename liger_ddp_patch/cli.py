@@ -12,8 +12,7 @@ def _status(as_json: bool) -> int:
     import liger_ddp_patch
     from liger_ddp_patch.engine import FAILED, PENDING, UNSUPPORTED
 
-    liger_ddp_patch._engine.resolve_pending()  # import the trainer modules, so "pending" becomes a real answer
-    rows = liger_ddp_patch.report()
+    rows = liger_ddp_patch.report(resolve=True)  # imports the trainer modules, so "pending" becomes a real answer
     if as_json:
         print(json.dumps([row.as_dict() for row in rows], indent=2))
     else:

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from liger_ddp_patch import engine as engine_mod
+from liger_ddp_patch.engine import hooks as engine_mod
 from liger_ddp_patch.engine import Engine, Patch, PatchError
 from liger_ddp_patch.settings import Settings
 

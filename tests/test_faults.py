@@ -21,7 +21,7 @@ def statuses(proc: subprocess.CompletedProcess) -> dict[str, dict]:
 
 
 def test_trl_absent():
-    code = "import sys; sys.modules['trl'] = None\nimport liger_ddp_patch; liger_ddp_patch._engine.resolve_pending()\n"
+    code = "import sys; sys.modules['trl'] = None\nimport liger_ddp_patch; liger_ddp_patch.report(resolve=True)\n"
     rows = statuses(python(code + REPORT))
     for row in rows.values():
         assert row["status"] == "not_needed" and "cannot be imported" in row["reason"], row

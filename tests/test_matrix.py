@@ -2,13 +2,13 @@
 
 For each release: one ``torchrun`` with the package off (the control) and one with it imported before TRL, both
 trainers per run (~45-130 s each on 2 CPU cores). What each release must show comes from
-:mod:`liger_ddp_patch.patches.trl_versions` (``Line.unpatched``): ``unsynced`` (1.9.0-1.13.0: gradients differ across
+the test plan, ``tests/matrix.py`` (``Line.unpatched``): ``unsynced`` (1.9.0-1.13.0: gradients differ across
 ranks), ``crash`` (<= 1.8.0: the DDP wrapper reaches the Liger path), ``synced`` (>= 1.14.0: fixed upstream, so the
 patched-import run must equal the unpatched one). Patched, every affected release must show 0 parameters differing.
 
 Releases come from ``$LIGER_DDP_PATCH_TRL_DIRS/<version>`` (``.ci/trl_matrix.sh`` creates them); the ``ALWAYS``
 releases run by default, the rest with ``LIGER_DDP_PATCH_FULL_MATRIX=1``. ``$LIGER_DDP_PATCH_MATRIX_OUT`` (a folder)
-keeps each run's JSON, from which ``trl_versions.OBSERVED`` is updated by hand.
+keeps each run's JSON, from which ``matrix.OBSERVED`` is updated by hand.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import matrix
 from liger_ddp_patch.patches import NAMES, trl_versions as tv
 
 pytestmark = [pytest.mark.ddp, pytest.mark.matrix]
@@ -61,13 +62,13 @@ def _by_trainer(result: dict) -> dict[str, dict]:
 
 
 def _check_pair(version: str, unpatched: dict, patched: dict) -> None:
-    line = tv.line_of(version)
+    line = matrix.line_of(version)
     assert unpatched["trl"] == patched["trl"] == version
     assert unpatched["report"] is None, "the control run must not import the package"
     statuses = {s["name"]: s for s in patched["report"]}
     assert set(statuses) == NAMES
     for name, status in statuses.items():
-        assert status["status"] == tv.expected_status(version, name), status
+        assert status["status"] == matrix.expected_status(version), status
     before, after = _by_trainer(unpatched), _by_trainer(patched)
     for kind in ("dpo", "kto"):
         b, a = before[kind], after[kind]
@@ -91,7 +92,7 @@ def _check_pair(version: str, unpatched: dict, patched: dict) -> None:
 
 @pytest.mark.parametrize("version", tv.RELEASES)
 def test_ddp_matrix(version, real_vocab_assets):
-    if not FULL and tv.tier(version) != "always":
+    if not FULL and matrix.tier(version) != "always":
         pytest.skip(f"TRL {version} is in the full matrix only: set LIGER_DDP_PATCH_FULL_MATRIX=1")
     folder = _dir("LIGER_DDP_PATCH_TRL_DIRS", "trl", version, "trl")
     unpatched = _run(real_vocab_assets, "none", (folder,), f"trl-{version}")

@@ -5,7 +5,8 @@ is ``$LIGER_DDP_PATCH_TRL_DIRS`` (default ``.cache/trl``; ``.ci/trl_matrix.sh`` 
 absent is skipped with a message saying how to create it. Each check runs in a subprocess with that folder first on
 ``PYTHONPATH``, since one process can import only one TRL.
 
-Expectations come from :mod:`liger_ddp_patch.patches.trl_versions`, the same data the records and docs/versions.md use.
+Expectations come from the test plan (``tests/matrix.py``: what each release does, stated from the 2-rank runs) and
+the trainer specs (``liger_ddp_patch.patches.trainers``: which code shape each release has).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
+import matrix
 from liger_ddp_patch.patches import NAMES, trl_versions as tv
+from liger_ddp_patch.patches.trainers import SPECS
 
 ROOT = Path(__file__).resolve().parents[1]
 HOW = "run `.ci/trl_matrix.sh` (or set LIGER_DDP_PATCH_TRL_DIRS to a folder of `pip install --target` dirs)"
@@ -39,27 +42,21 @@ def require(version: str) -> Path:
 
 
 # Runs in the subprocess: import the package, let it resolve every trainer module, report, and name the shape the
-# compute_loss checks see (on the original, whether or not it was replaced).
+# compute_loss checks see (on TRL's own function, whether or not it was replaced: our wrapper keeps it as __wrapped__).
 _PROBE = r"""
-import json, sys
+import importlib, inspect, json, sys
 import liger_ddp_patch
-from liger_ddp_patch.engine import _resolve
-from liger_ddp_patch.patches import PATCHES, compute_loss
-engine = liger_ddp_patch._engine
-engine.resolve_pending()
+from liger_ddp_patch.patches import compute_loss
+from liger_ddp_patch.patches.trainers import SPECS
+report = liger_ddp_patch.report(resolve=True)
 import trl
 shapes = {}
-for record in PATCHES:
-    if record.check is not compute_loss.check:
-        continue
-    original = engine.original(record.name)
-    for module in record.module:
-        if original is None and module in sys.modules:
-            found = _resolve(sys.modules[module], record.attribute)
-            original = found[2] if found else None
-    shapes[record.name] = list(compute_loss.shape(original)) if original is not None else None
+for spec in SPECS:
+    module = importlib.import_module(spec.module_at(trl.__version__))
+    own = inspect.unwrap(vars(getattr(module, spec.trainer))["compute_loss"])
+    shapes[spec.name] = list(compute_loss.shape(own))
 print("RESULT" + json.dumps({"trl": trl.__version__, "file": trl.__file__, "shapes": shapes,
-                             "report": [s.as_dict() for s in liger_ddp_patch.report()]}))
+                             "report": [s.as_dict() for s in report]}))
 """
 
 
@@ -79,31 +76,29 @@ FULL = os.environ.get("LIGER_DDP_PATCH_FULL_MATRIX") == "1"
 
 @pytest.mark.parametrize("version", tv.RELEASES)
 def test_release_report(version):
-    """On each release's real code: the status the data promises, and the shape check recognises the right shape.
+    """On each release's real code: the status the test plan expects, and the shape check recognises the right shape.
 
-    ~20 s per release (a fresh interpreter imports transformers and TRL): the first release of every line and the
+    ~20 s per release (a fresh interpreter imports transformers and TRL): every release where something changes and the
     ``ALWAYS`` ones run every time, the rest with ``LIGER_DDP_PATCH_FULL_MATRIX=1``.
     """
-    if not FULL and tv.tier(version) == "full":
+    if not FULL and matrix.tier(version) == "full":
         pytest.skip(f"TRL {version} is in the full matrix only: set LIGER_DDP_PATCH_FULL_MATRIX=1")
     folder = require(version)
     result = engine_report(folder)
     assert result["trl"] == version and result["file"].startswith(str(folder)), result["file"]
     assert set(result["statuses"]) == NAMES
-    line = tv.line_of(version)
     for name, status in result["statuses"].items():
-        assert status["status"] == tv.expected_status(version, name), status
+        assert status["status"] == matrix.expected_status(version), status
         assert status["version"] == version
         if status["status"] == "not_needed":
             assert f"fixed upstream in trl {tv.FIXED_IN}" in status["reason"], status
-    dpo, kto = result["shapes"]["dpo_compute_loss"], result["shapes"]["kto_compute_loss"]
-    if line.patched:
-        assert (dpo[0], kto[0]) == (line.dpo_shape, line.kto_shape), result["shapes"]
-        if line.kto_module == tv.KTO_EXPERIMENTAL:
-            assert "trl.experimental.kto.kto_trainer" in result["statuses"]["kto_chunked_loss"]["reason"]
-    else:  # fixed upstream: were the version unknown, the shape check alone would also leave it alone
-        for shape in (dpo, kto):
-            assert shape is None or shape[0] is None, result["shapes"]
+    for spec in SPECS:
+        shape = result["shapes"][spec.name]
+        if matrix.line_of(version).patched:
+            assert shape[0] == spec.shape_at(version), result["shapes"]
+            assert spec.module_at(version) in result["statuses"][spec.chunked_loss_patch]["reason"]
+        else:  # fixed upstream: were the version unknown, the shape check alone would also leave it alone
+            assert shape[0] is None, result["shapes"]
 
 
 def _fake(tmp_path: Path, version: str, code_from: str) -> Path:
@@ -154,21 +149,8 @@ def test_known_affected_release_with_unexpected_code_is_not_patched_blind(tmp_pa
         assert "not found in trl 1.8.0" in result["statuses"][name]["reason"]
 
 
-def test_records_read_the_version_data():
-    from liger_ddp_patch.patches import PATCHES
-
-    for record in PATCHES:
-        assert record.releases == tv.RELEASES and record.affected == tv.AFFECTED and record.fixed_in == tv.FIXED_IN
-    assert tv.KTO_EXPERIMENTAL in next(p for p in PATCHES if p.name == "kto_compute_loss").module
-    assert set(tv.ALWAYS) <= set(tv.RELEASES) and set(tv.OBSERVED) <= set(tv.RELEASES)
-    for line in tv.LINES:
-        assert line.unpatched in ("unsynced", "crash", "synced")
-
-
 def test_docs_table_is_current():
-    from liger_ddp_patch import versions
-
     path = ROOT / "docs" / "versions.md"
-    assert path.exists() and path.read_text() == versions.render(), (
-        "docs/versions.md is stale: run `python -m liger_ddp_patch.versions > docs/versions.md`"
+    assert path.exists() and path.read_text() == matrix.render_versions(), (
+        "docs/versions.md is stale: run `python tests/matrix.py versions > docs/versions.md`"
     )

@@ -10,6 +10,7 @@ comparison between runs. ``PROBE_PATCH`` says how the package arrives: ``before`
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import tempfile
@@ -27,24 +28,34 @@ NO_TRITON = {k: False for k in ("rope", "rms_norm", "swiglu", "cross_entropy", "
                                 "layer_norm", "geglu")}  # fmt: skip
 
 
+@functools.cache
+def trainer_specs() -> dict:
+    """The package's trainer specs by name, read from their file: importing liger_ddp_patch would patch TRL."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "patches" / "trainers.py"
+    loader = importlib.util.spec_from_file_location("_liger_ddp_patch_trainer_specs", path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return {spec.name: spec for spec in module.SPECS}
+
+
 def _trainer_classes(kind: str):
+    import importlib
+
     import trl
 
-    if kind == "dpo":
-        return trl.DPOConfig, trl.DPOTrainer
-    try:
-        return trl.KTOConfig, trl.KTOTrainer
-    except AttributeError:  # some 1.x releases keep KTO under trl.experimental
-        from trl.experimental.kto import KTOConfig, KTOTrainer
-
-        return KTOConfig, KTOTrainer
+    spec = trainer_specs()[kind]
+    module = importlib.import_module(spec.module_at(trl.__version__))
+    return getattr(module, spec.config), getattr(module, spec.trainer)
 
 
 def _dataset(kind: str, rank: int):
     from datasets import Dataset
 
     rows = prompt_rows(rank)
-    if kind == "kto":
+    if trainer_specs()[kind].dataset == "unpaired":
         rows = [
             {"prompt": r["prompt"], "completion": r["chosen" if i % 2 else "rejected"], "label": bool(i % 2)}
             for i, r in enumerate(rows)
@@ -111,6 +122,7 @@ def compare_across_ranks(model: torch.nn.Module) -> dict:
 def run_one(kind: str, assets: str, args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
+    spec = trainer_specs()[kind]
     config_cls, trainer_cls = _trainer_classes(kind)
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     tokenizer = AutoTokenizer.from_pretrained(assets)
@@ -170,8 +182,7 @@ def run_one(kind: str, assets: str, args) -> dict:
     if args.weights_out and rank == 0:
         weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
         torch.save({k: v.detach().float().cpu() for k, v in weights.items()}, f"{args.weights_out}.{kind}.pt")
-    # The fused loss is `liger_loss` from TRL 1.8.0, `liger_loss_fn`/`kto_loss_fn` before (see patches.trl_versions).
-    loss = next((getattr(trainer, a) for a in ("liger_loss", "liger_loss_fn", "kto_loss_fn") if getattr(trainer, a, None)), None)
+    loss = next((getattr(trainer, a) for a in spec.loss_attributes if getattr(trainer, a, None) is not None), None)
     result["loss_class"] = type(loss).__name__
     return result
 

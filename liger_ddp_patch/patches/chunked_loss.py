@@ -16,21 +16,18 @@ from __future__ import annotations
 from typing import Any
 
 from . import _shape
+from .trainers import TrainerSpec
 
 
-def _ours(kind: str) -> type:
-    from .. import losses
+def checker(spec: TrainerSpec):
+    """The shape check of ``spec``'s fused loss: our loss must accept every setting and the forward it is called with."""
 
-    return {"dpo": losses.ChunkedDPOLoss, "kto": losses.ChunkedKTOLoss}[kind]
-
-
-def _checker(kind: str):
     def check(original: Any) -> str | None:
         import torch
 
         if not (isinstance(original, type) and issubclass(original, torch.nn.Module)):
             return f"{original!r} is not an nn.Module class"
-        ours = _ours(kind)
+        ours = spec.loss_class()
         unknown = [p for p in _shape.parameters(original.__init__)[1:] if p not in _shape.parameters(ours.__init__)]
         if unknown:
             return f"{original.__name__}() takes {unknown}, which {ours.__name__} does not implement"
@@ -42,25 +39,16 @@ def _checker(kind: str):
     return check
 
 
-dpo_check, kto_check = _checker("dpo"), _checker("kto")
-dpo_ours, kto_ours = (lambda: _ours("dpo")), (lambda: _ours("kto"))
-
-
-# Where each release keeps the fused loss it built: ``liger_loss`` (1.8.0+), ``liger_loss_fn`` (DPO before 1.8.0, KTO
-# 1.6.0-1.7.1), ``kto_loss_fn`` (KTO 1.0.0-1.5.1). See trl_versions.LINES.
-LOSS_ATTRIBUTES = ("liger_loss", "liger_loss_fn", "kto_loss_fn")
-
-
-def swap(trainer: Any, fused: type | None, ours: type, patch: str) -> str:
+def swap(trainer: Any, fused: type | None, spec: TrainerSpec) -> str:
     """Give ``trainer`` our loss in place of its fused one (settings kept); say what happened, for the record.
 
     Called only when the trainer runs under DistributedDataParallel, so every other configuration keeps TRL's own
-    loss object. ``fused`` is the class the ``patch`` record checked (``None`` when that patch is not applied).
+    loss object. ``fused`` is the class ``spec``'s chunked-loss record checked (``None`` when it is not applied).
     """
-    attribute = next((a for a in LOSS_ATTRIBUTES if getattr(trainer, a, None) is not None), None)
+    attribute = next((a for a in spec.loss_attributes if getattr(trainer, a, None) is not None), None)
     if attribute is None:
         return "no fused loss to swap"
-    loss = getattr(trainer, attribute)
+    loss, ours, patch = getattr(trainer, attribute), spec.loss_class(), spec.chunked_loss_patch
     if isinstance(loss, ours):
         return getattr(loss, _SWAPPED, f"loss {ours.__name__}")
     if fused is None:

@@ -9,7 +9,7 @@ the ZeRO-3/FSDP redirect, the re-raised image-token ``ValueError``), stays exact
 
 TRL 1.0.0-1.8.0 pass the DDP wrapper itself into the Liger path, which crashes (no ``get_decoder``/``base_model``
 on ``DistributedDataParallel``). The same replacement fixes that: the original runs on the unwrapped model, inside
-the wrapper's forward. Which releases have which shape: :mod:`.trl_versions`.
+the wrapper's forward. Which releases have which shape: :mod:`.trainers`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from .. import log
+from ..log import announce
 from . import _shape, chunked_loss
+from .trainers import TrainerSpec
 
-# The code shapes we know how to fix, by name (trl_versions.LINES says which release has which). Each entry is one
+# The code shapes we know how to fix, by name (each TrainerSpec.shapes says which release has which). Each entry is one
 # thing the replacement relies on; the check names the first one missing.
 SHAPES: dict[str, dict[str, str]] = {
     # 1.9.0-1.13.0: the Liger call runs on the unwrapped model; only ZeRO-3/FSDP are redirected (TRL #6372, #7245).
@@ -145,8 +146,9 @@ def _redirect(wrapper: Any, inner: Any, method: Any, *args: Any, **kwargs: Any) 
         restore()
 
 
-def replacer(name: str, loss_patch: str, ours: Callable[[], type]) -> Callable[[Any, Any], Any]:
-    """The ``replace`` of the compute_loss record ``name``; ``loss_patch`` names the record that arms the loss swap."""
+def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
+    """The ``replace`` of ``spec``'s compute_loss record (``engine`` holds the armed loss swap and the run-time notes)."""
+    name = spec.compute_loss_patch
 
     def replace(original: Any, engine: Any) -> Any:
         @functools.wraps(original)
@@ -158,10 +160,9 @@ def replacer(name: str, loss_patch: str, ours: Callable[[], type]) -> Callable[[
             if not route:
                 engine.note(name, trainer, decision)
                 return original(self, model, inputs, return_outputs, num_items_in_batch)
-            swap = chunked_loss.swap(self, engine.original(loss_patch), ours(), loss_patch)
-            decision = f"{decision}, {swap}"
+            decision = f"{decision}, {chunked_loss.swap(self, engine.original(spec.chunked_loss_patch), spec)}"
             engine.note(name, trainer, decision)
-            log.announce("liger_ddp_patch: %s under DistributedDataParallel: %s (TRL #7245)", trainer, decision)
+            announce("liger_ddp_patch: %s under DistributedDataParallel: %s (TRL #7245)", trainer, decision)
 
             # Inside the wrapper's forward the original sees an unwrapped model and takes its plain Liger path.
             def run(unwrapped_model, inputs, return_outputs):

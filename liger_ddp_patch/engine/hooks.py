@@ -1,93 +1,23 @@
-"""The patch engine: declarative records in, post-import hooks and a status registry out.
+"""The engine: wrapt post-import hooks that swap (or arm) each record's target, undo it, and keep the statuses.
 
-A :class:`Patch` says *what* to replace and *when*; :class:`Engine` does the rest: it registers one wrapt post-import
-hook per target module, gates each record on the installed version and on a shape check of the original, swaps the
-attribute (or, for a record without a replacement, only *arms* it: checked, nothing installed, for run-time code to
-consult through :meth:`Engine.original`), remembers the original for :meth:`Engine.unpatch`, and records every
-decision as a :class:`Status`. Replacements may record what they decide at run time with :meth:`Engine.note`.
-The engine knows nothing about any particular library; the records never see wrapt.
+What to do with a record is :func:`~.decide.decide`'s call; this module only finds the target, runs the record's shape
+check, carries out the decision, and remembers the original for :meth:`Engine.unpatch`.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from . import log
-from .settings import Settings
-
-# No dataclasses and no logging at import time: this module loads in every process the package reaches, and those
-# two cost more than the rest of the package together (see benchmarks/README.md, "Startup cost").
-
-APPLIED, PENDING, NOT_NEEDED, DISABLED, UNSUPPORTED, FAILED = (
-    "applied",
-    "pending",
-    "not_needed",
-    "disabled",
-    "unsupported",
-    "failed",
-)
-
+from .. import log
+from ..settings import DISABLE, Settings
+from .decide import decide
+from .records import APPLIED, DISABLED, FAILED, NOT_NEEDED, PENDING, UNSUPPORTED, Patch, PatchError, Status
 
 MARK = "__liger_ddp_patch__"  # set on every replacement we install, so a second engine never wraps it again
 ORIGINAL = "__liger_ddp_patch_original__"  # and the object it replaced, so a second engine can restore it
-
-
-class PatchError(RuntimeError):
-    """A patch could not be applied and ``LIGER_DDP_PATCH_STRICT`` asked for that to be fatal."""
-
-
-class Patch(NamedTuple):
-    """One declarative patch record.
-
-    ``check(original)`` returns ``None`` when the original still looks like the code we fix, else the reason it does
-    not. ``replace(original, engine)`` returns the object to install (``engine`` offers :meth:`Engine.original` and
-    :meth:`Engine.note` to the replacement at run time); ``replace=None`` arms the record without installing
-    anything. Undo is always "put the original back".
-    """
-
-    name: str
-    module: tuple[str, ...]  # importing any of these modules triggers the patch (the class may move between releases)
-    attribute: tuple[str, ...]  # dotted paths inside ``module``; the first one present is the target
-    distribution: str  # the installed distribution whose version gates the patch
-    affected: str  # PEP 440 specifier: releases known to carry the bug
-    fixed_in: str | None  # first release where upstream fixed it
-    releases: tuple[str, ...]  # releases whose code we have read; any other version is "unknown": shape decides
-    check: Callable[[Any], str | None]
-    replace: Callable[[Any, Engine], Any] | None
-    summary: str  # what the patch does, for the diagnostic
-    # Modules without which the host never defines the target (it imports it only when they are importable):
-    # a missing target is then "not needed", not "unsupported".
-    requires: tuple[str, ...] = ()
-
-    @property
-    def target(self) -> str:
-        return f"{'|'.join(self.module)}:{'|'.join(self.attribute)}"
-
-
-class Status:
-    """What happened to one patch: ``status`` is one of applied/pending/not_needed/disabled/unsupported/failed.
-
-    ``runtime`` holds what the installed patch decided while the program ran: per key (e.g. a trainer class), the
-    distinct decisions in the order first seen.
-    """
-
-    __slots__ = ("name", "target", "status", "reason", "version", "runtime")
-
-    def __init__(self, name: str, target: str, status: str, reason: str, version: str | None = None, runtime=None):
-        self.name, self.target, self.status, self.reason, self.version = name, target, status, reason, version
-        self.runtime: dict[str, list[str]] = {key: list(seen) for key, seen in (runtime or {}).items()}
-
-    def as_dict(self) -> dict[str, Any]:
-        return {key: getattr(self, key) for key in self.__slots__}
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Status) and self.as_dict() == other.as_dict()
-
-    def __repr__(self) -> str:
-        return "Status(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items()) + ")"
 
 
 class _Applied(NamedTuple):
@@ -244,53 +174,25 @@ class Engine:
             self._set(record.name, FAILED, f"applying raised {type(exc).__name__}: {exc}")
 
     def _decide_and_apply(self, record: Patch, module: Any) -> None:
-        from packaging.version import InvalidVersion, Version
-        from packaging.specifiers import SpecifierSet
-
-        raw = installed_version(record.distribution)
-        dist = record.distribution
-        self._status[record.name].version = raw
-        try:
-            version = Version(raw) if raw else None
-        except InvalidVersion:
-            version = None
-        if version is None:
-            return self._set(record.name, UNSUPPORTED, f"cannot read a valid {dist} version (got {raw!r}); left untouched")
-
-        known = raw in record.releases or str(version) in record.releases
-        fixed = Version(record.fixed_in) if record.fixed_in else None
-        if known and version not in SpecifierSet(record.affected):
-            if fixed is not None and version >= fixed:
-                return self._set(record.name, NOT_NEEDED, f"fixed upstream in {dist} {record.fixed_in} (installed {raw})")
-            return self._set(
-                record.name, UNSUPPORTED, f"{dist} {raw} is outside the affected range {record.affected}; left untouched"
-            )
-
+        version = self._status[record.name].version = installed_version(record.distribution)
         found = _resolve(module, record.attribute)
-        if found is None:
-            why = f"{record.target} not found in {dist} {raw}"
-            absent = [m for m in record.requires if not _importable(m)]
-            if absent:
-                return self._set(record.name, NOT_NEEDED, f"{why}: {', '.join(absent)} is not installed, so it never is")
-            if fixed is not None and version >= fixed:
-                return self._set(record.name, NOT_NEEDED, f"{why}; upstream fixed this in {record.fixed_in}")
-            return self._set(record.name, UNSUPPORTED, f"{why}; left untouched")
-        parent, attr, original = found
-        earlier = ""
-        if getattr(original, MARK, None) == record.name:  # e.g. the package loaded twice (importlib.reload)
-            original = getattr(original, ORIGINAL)  # replace afresh from the true original, so unpatch() restores it
-            earlier = "; took over from an earlier load of the package"
-        mismatch = record.check(original)
-        if mismatch is not None:
-            if not known and fixed is not None and version >= fixed:
-                return self._set(
-                    record.name,
-                    NOT_NEEDED,
-                    f"{dist} {raw} is not a release we have read, and {mismatch}: it looks fixed "
-                    f"(upstream fixed this in {record.fixed_in})",
-                )
-            return self._set(record.name, UNSUPPORTED, f"shape check failed: {mismatch}; left untouched")
+        parent = attr = target = mismatch = original = None
+        taken_over = False
+        if found is not None:
+            parent, attr, original = found
+            target = f"{getattr(parent, '__name__', parent)}.{attr}"
+            taken_over = getattr(original, MARK, None) == record.name  # e.g. importlib.reload(liger_ddp_patch)
+            if taken_over:
+                original = getattr(original, ORIGINAL)  # start again from the true original, so unpatch() restores it
+            mismatch = record.check(original)
+        absent = [m for m in record.requires if not _importable(m)] if found is None else []
+        status, reason = decide(record, version, target, mismatch, absent)
+        if status == APPLIED:
+            self._swap(record, parent, attr, original)
+            reason += "; took over from an earlier load of the package" if taken_over else ""
+        self._set(record.name, status, reason)
 
+    def _swap(self, record: Patch, parent: Any, attr: str, original: Any) -> None:
         replacement = None
         if record.replace is not None:
             replacement = record.replace(original, self)
@@ -298,20 +200,11 @@ class Engine:
             setattr(replacement, ORIGINAL, original)
             setattr(parent, attr, replacement)
         self._applied[record.name] = _Applied(parent, attr, original, replacement)
-        where = f"{getattr(parent, '__name__', parent)}.{attr}"
-        if known:
-            reason = f"{record.summary} ({where}, {dist} {raw} is affected{earlier})"
-        else:
-            reason = (
-                f"{record.summary} ({where}{earlier}); {dist} {raw} is not a release we have verified, "
-                "applied because the shape check matched the affected code"
-            )
-        self._set(record.name, APPLIED, reason)
 
     # -- bookkeeping --------------------------------------------------------------------------------------
     def _initial(self, record: Patch) -> Status:
         if self.settings.is_disabled(record.name):
-            return Status(record.name, record.target, DISABLED, "disabled by LIGER_DDP_PATCH_DISABLE")
+            return Status(record.name, record.target, DISABLED, f"disabled by {DISABLE}")
         return Status(record.name, record.target, PENDING, f"waiting for {' or '.join(record.module)} to be imported")
 
     def _set(self, name: str, status: str, reason: str) -> None:

@@ -1,0 +1,62 @@
+"""The patch decision, as a pure function: what to do with a record, given what the engine found.
+
+Like ddtrace gating an integration on ``_supported_versions``, with one more input: the code itself. A release we
+have read is judged by its version; any other version (a post-release, a future major) by the shape of its code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .records import APPLIED, NOT_NEEDED, UNSUPPORTED, Patch
+
+
+def decide(
+    record: Patch, version: str | None, target: str | None, mismatch: str | None, absent: Sequence[str] = ()
+) -> tuple[str, str]:
+    """``(status, reason)`` for ``record``.
+
+    ``version``: the installed version of ``record.distribution`` (``None``: unreadable). ``target``: where the
+    attribute was found (``None``: nowhere). ``mismatch``: the shape check's objection to it (``None``: it looks like
+    the code we fix). ``absent``: the modules of ``record.requires`` that are not installed.
+    """
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    dist = record.distribution
+    try:
+        parsed = Version(version) if version else None
+    except InvalidVersion:
+        parsed = None
+    if parsed is None:
+        return UNSUPPORTED, f"cannot read a valid {dist} version (got {version!r}); left untouched"
+
+    known = version in record.releases or str(parsed) in record.releases
+    fixed = record.fixed_in is not None and parsed >= Version(record.fixed_in)
+    if known and parsed not in SpecifierSet(record.affected):
+        if fixed:
+            return NOT_NEEDED, f"fixed upstream in {dist} {record.fixed_in} (installed {version})"
+        return UNSUPPORTED, f"{dist} {version} is outside the affected range {record.affected}; left untouched"
+
+    if target is None:
+        why = f"{record.target} not found in {dist} {version}"
+        if absent:
+            return NOT_NEEDED, f"{why}: {', '.join(absent)} is not installed, so it never is"
+        if fixed:
+            return NOT_NEEDED, f"{why}; upstream fixed this in {record.fixed_in}"
+        return UNSUPPORTED, f"{why}; left untouched"
+
+    if mismatch is not None:
+        if not known and fixed:
+            return NOT_NEEDED, (
+                f"{dist} {version} is not a release we have read, and {mismatch}: it looks fixed "
+                f"(upstream fixed this in {record.fixed_in})"
+            )
+        return UNSUPPORTED, f"shape check failed: {mismatch}; left untouched"
+
+    if known:
+        return APPLIED, f"{record.summary} ({target}, {dist} {version} is affected)"
+    return APPLIED, (
+        f"{record.summary} ({target}); {dist} {version} is not a release we have verified, "
+        "applied because the shape check matched the affected code"
+    )

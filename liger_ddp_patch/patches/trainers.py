@@ -1,0 +1,88 @@
+"""One spec per TRL trainer we fix: where it lives, how its code is shaped release by release, which loss it builds.
+
+The patch records (``patches/__init__.py``), the run-time loss swap, the docs table and the demo probe all loop over
+:data:`SPECS`. Supporting one more trainer is one spec here plus one loss module in :mod:`liger_ddp_patch.losses`;
+a release is placed by the first release of each range, so one more TRL release with a known shape is one entry in
+:data:`liger_ddp_patch.patches.trl_versions.RELEASES`. Every fact was read from the released wheels.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+def _at(table: tuple[tuple[str, str], ...], version: str) -> str:
+    """The value of the last ``(first release, value)`` row at or before ``version``."""
+    from packaging.version import Version
+
+    rows = [value for first, value in table if Version(first) <= Version(version)]
+    if not rows:
+        raise KeyError(f"TRL {version} predates {table[0][0]}, the first release this spec describes")
+    return rows[-1]
+
+
+class TrainerSpec(NamedTuple):
+    name: str  # short name, the prefix of its patch names: dpo -> dpo_compute_loss, dpo_chunked_loss
+    trainer: str  # the class name in TRL
+    config: str  # its config class, importable from the trainer's module
+    dataset: str  # the TRL dataset type it trains on: "preference" (chosen/rejected) or "unpaired" (completion/label)
+    modules: tuple[tuple[str, str], ...]  # (first release, the module that defines the trainer class)
+    shapes: tuple[tuple[str, str], ...]  # (first release, compute_loss shape: a key of compute_loss.SHAPES, or "fixed")
+    fused: tuple[str, ...]  # the names the trainer module gives the fused loss class (Liger's; TRL 1.13's own)
+    loss_attributes: tuple[str, ...]  # where the trainer keeps the fused loss object it built (any release)
+    loss: str  # our replacement, "module:Class"
+
+    @property
+    def compute_loss_patch(self) -> str:
+        return f"{self.name}_compute_loss"
+
+    @property
+    def chunked_loss_patch(self) -> str:
+        return f"{self.name}_chunked_loss"
+
+    @property
+    def hooked_modules(self) -> tuple[str, ...]:
+        """Every module that defines the class in some release, newest first (a record hooks all of them)."""
+        return tuple(dict.fromkeys(module for _, module in reversed(self.modules)))
+
+    def module_at(self, version: str) -> str:
+        return _at(self.modules, version)
+
+    def shape_at(self, version: str) -> str:
+        return _at(self.shapes, version)
+
+    def loss_class(self) -> type:
+        """Imported on first use: the losses import torch, which the package itself never does at import time."""
+        import importlib
+
+        module, _, name = self.loss.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+# Upstream: the ZeRO-3/FSDP-only redirect guard arrived in 1.9.0 (TRL PR #6372), the fix in 1.14.0 (PRs #7243, #7247).
+DPO = TrainerSpec(
+    name="dpo",
+    trainer="DPOTrainer",
+    config="DPOConfig",
+    dataset="preference",
+    modules=(("1.0.0", "trl.trainer.dpo_trainer"),),
+    shapes=(("1.0.0", "unredirected"), ("1.9.0", "guarded"), ("1.14.0", "fixed")),
+    fused=("LigerFusedLinearDPOLoss", "FusedLinearDPOLoss"),
+    loss_attributes=("liger_loss", "liger_loss_fn"),  # liger_loss_fn before 1.8.0
+    loss="liger_ddp_patch.losses:ChunkedDPOLoss",
+)
+
+KTO = TrainerSpec(
+    name="kto",
+    trainer="KTOTrainer",
+    config="KTOConfig",
+    dataset="unpaired",
+    # 1.0.0-1.7.1 define it in trl.experimental (trl.trainer.kto_trainer re-exports a subclass), 1.8.0+ the reverse.
+    modules=(("1.0.0", "trl.experimental.kto.kto_trainer"), ("1.8.0", "trl.trainer.kto_trainer")),
+    shapes=(("1.0.0", "batch_metrics"), ("1.5.0", "unredirected"), ("1.9.0", "guarded"), ("1.14.0", "fixed")),
+    fused=("LigerFusedLinearKTOLoss", "FusedLinearKTOLoss"),
+    loss_attributes=("liger_loss", "liger_loss_fn", "kto_loss_fn"),  # kto_loss_fn 1.0.0-1.5.1, liger_loss_fn 1.6-1.7.1
+    loss="liger_ddp_patch.losses:ChunkedKTOLoss",
+)
+
+SPECS: tuple[TrainerSpec, ...] = (DPO, KTO)

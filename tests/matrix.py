@@ -1,0 +1,196 @@
+"""The TRL test plan: what each release does under DDP, what we observed, which releases CI runs, and docs/versions.md.
+
+The runtime package keeps only what its decisions need (``patches.trl_versions``: the releases read and the fix;
+``patches.trainers``: each trainer's modules and code shapes per release). This module adds what the tests check and
+the docs show. Releases are placed by the first release of each :data:`LINES` range, like the specs place them.
+
+    python tests/matrix.py versions > docs/versions.md     # the generated table (a test fails when it is stale)
+    python tests/matrix.py ci-versions [--full]            # the releases .ci/trl_matrix.sh unpacks
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import NamedTuple
+
+from packaging.version import Version
+
+from liger_ddp_patch.patches import PATCHES
+from liger_ddp_patch.patches import trl_versions as tv
+from liger_ddp_patch.patches.compute_loss import SHAPES
+from liger_ddp_patch.patches.trainers import SPECS
+
+
+class Line(NamedTuple):
+    """Releases from ``first`` up to the next line's: one behaviour under plain DDP with ``use_liger_kernel=True``."""
+
+    first: str
+    fused: str  # where the fused losses the trainers build come from
+    broken: str  # what goes wrong, unpatched
+    unpatched: str  # what the 2-rank probe shows unpatched: "unsynced" | "crash" | "synced"
+
+    @property
+    def versions(self) -> tuple[str, ...]:
+        following = LINES[LINES.index(self) + 1].first if self is not LINES[-1] else None
+        return tuple(v for v in tv.RELEASES if Version(self.first) <= Version(v) and (following is None or Version(v) < Version(following)))
+
+    @property
+    def patched(self) -> bool:
+        return self.unpatched != "synced"
+
+
+def _crash(attribute: str) -> str:
+    return (
+        "the DDP wrapper itself is passed into the Liger path, which crashes: "
+        f"`AttributeError: 'DistributedDataParallel' object has no attribute '{attribute}'` (DPO and KTO)"
+    )
+
+
+_UNSYNCED = (
+    "Liger loss runs on the unwrapped model unless ZeRO-3/FSDP (TRL #6372), so DDP never all-reduces the gradients "
+    "(TRL #7245): every rank silently trains its own model"
+)
+_DEPRECATED = "none built (`use_liger_kernel` deprecated for the DPO/KTO losses)"
+
+LINES: tuple[Line, ...] = (
+    Line("1.0.0", "liger_kernel.chunked_loss", _crash("get_decoder"), "crash"),
+    Line("1.6.0", "liger_kernel.chunked_loss", _crash("base_model"), "crash"),
+    Line("1.9.0", "liger_kernel.chunked_loss", _UNSYNCED, "unsynced"),
+    Line("1.13.0", "trl.losses (vendored; DPO also passes label_smoothing and discopop_tau)", _UNSYNCED, "unsynced"),
+    Line("1.14.0", "none built: DPO and KTO compute chunked log-probs themselves (TRL #7243)",
+         "nothing: the guard redirects whenever `model is not unwrapped_model` (TRL #7247)", "synced"),
+    Line("1.15.0", _DEPRECATED,
+         "nothing for this package (fixed upstream in TRL 1.14.0); on a CPU-only machine its Liger path stops in "
+         "Liger's Triton kernels (`RuntimeError: 0 active drivers`), with or without the package", "synced"),
+    Line("1.16.0", _DEPRECATED, "nothing (fixed upstream in TRL 1.14.0)", "synced"),
+)  # fmt: skip
+
+
+def line_of(version: str) -> Line:
+    return next(line for line in LINES if version in line.versions)
+
+
+def expected_status(version: str) -> str:
+    """What ``liger_ddp_patch.report()`` must say for every patch under this release (stated from observation)."""
+    return "applied" if line_of(version).patched else "not_needed"
+
+
+# Measured with tests/test_matrix.py (liger-kernel 0.8.5, torch 2.13 CPU, transformers 5.24, accelerate 1.16):
+# trainer -> (unpatched, patched); an int is "parameters whose gradients differ across ranks" (out of 25), a str is
+# the exception the run ended with. Releases absent here have not been run yet. Runs of 2026-12-02.
+_CRASH = {1: "AttributeError: get_decoder", 2: "AttributeError: base_model"}
+OBSERVED: dict[str, dict[str, tuple[int | str, int | str]]] = {
+    **{v: {"dpo": (_CRASH[1], 0), "kto": (_CRASH[1], 0)} for v in ("1.0.0", "1.1.0", "1.2.0", "1.3.0", "1.4.0", "1.5.0", "1.5.1")},
+    **{v: {"dpo": (_CRASH[2], 0), "kto": (_CRASH[2], 0)} for v in ("1.6.0", "1.7.0", "1.7.1", "1.8.0")},
+    **{v: {"dpo": (25, 0), "kto": (25, 0)} for v in ("1.9.0", "1.9.1", "1.9.2", "1.10.0", "1.11.0", "1.12.0", "1.13.0")},
+    **{v: {"dpo": (0, 0), "kto": (0, 0)} for v in ("1.14.0", "1.14.1", "1.14.2", "1.16.0")},
+    "1.15.0": {k: ("RuntimeError: 0 active drivers", "RuntimeError: 0 active drivers") for k in ("dpo", "kto")},
+}  # fmt: skip
+
+# 2-rank runs on every CI run (one per kind of fix, ~2 torchrun launches each); the rest need
+# LIGER_DDP_PATCH_FULL_MATRIX=1. 1.12.0 also runs always, with liger-kernel 0.8.2 (tests/test_matrix.py).
+ALWAYS = ("1.8.0", "1.9.0", "1.13.0", "1.14.0")
+# The engine-report test (one interpreter per release, ~20 s) always runs every release where something changes:
+# a line starts, or a trainer's module or code shape does.
+REPRESENTATIVES = tuple(
+    v for v in tv.RELEASES
+    if v in {line.first for line in LINES} | {first for s in SPECS for first, _ in (*s.modules, *s.shapes)}
+)  # fmt: skip
+# Releases whose code the fake-version tests borrow.
+FAKE_SOURCES = ("1.12.0", "1.13.0", "1.14.0", "1.16.0")
+
+
+def tier(version: str) -> str:
+    """``always``: 2-rank runs in every CI run; ``report``: only the engine report always; ``full``: only with
+    LIGER_DDP_PATCH_FULL_MATRIX=1."""
+    return "always" if version in ALWAYS else "report" if version in REPRESENTATIVES else "full"
+
+
+def ci_versions(full: bool) -> tuple[str, ...]:
+    """The TRL releases .ci/trl_matrix.sh must unpack."""
+    wanted = set(tv.RELEASES) if full else {*ALWAYS, *REPRESENTATIVES, *FAKE_SOURCES, "1.12.0"}
+    return tuple(v for v in tv.RELEASES if v in wanted)
+
+
+# ----------------------------------------------------------------------------------------------- docs/versions.md
+
+_DOES = {
+    "guarded": "under DDP only: runs TRL's own `compute_loss` inside the DDP wrapper's forward (gradients all-reduced "
+    "again) and swaps the trainer's fused loss for our chunked one; any other setup runs TRL's code",
+    "unredirected": "under DDP only: gives the Liger path the unwrapped model, inside the DDP wrapper's forward (no "
+    "crash, gradients all-reduced; the inputs pass through the wrapper, as DDP with `device_ids` needs) and swaps the "
+    "trainer's fused loss for our chunked one; any other setup (ZeRO-3/FSDP included) runs TRL's code",
+    "batch_metrics": "as `unredirected`, for the Liger branch of its `get_batch_loss_metrics`",
+    "fixed": "nothing: every patch reports `not_needed` (\"fixed upstream in trl 1.14.0\"); an import of the package "
+    "changes nothing",
+}
+
+
+def _observed(version: str) -> str:
+    runs = OBSERVED.get(version)
+    if not runs:
+        return "not run yet"
+
+    def show(value: int | str) -> str:
+        return f"{value}/25" if isinstance(value, int) else f"crash ({value})"
+
+    return "; ".join(f"{kind.upper()} {show(before)} → {show(after)}" for kind, (before, after) in runs.items())
+
+
+def _per_trainer(version: str, fact) -> str:
+    values = {spec.name.upper(): fact(spec, version) for spec in SPECS}
+    if len(set(values.values())) == 1:
+        return next(iter(values.values()))
+    return "; ".join(f"{name}: {value}" for name, value in values.items())
+
+
+def render_versions() -> str:
+    names = " / ".join(spec.name.upper() for spec in SPECS)
+    rows = [
+        "<!-- Generated by `python tests/matrix.py versions > docs/versions.md` from liger_ddp_patch/patches/"
+        "(trl_versions.py, trainers.py) and tests/matrix.py; do not edit by hand. -->",
+        "",
+        "# TRL versions",
+        "",
+        f"Patches: {', '.join(f'`{p.name}`' for p in PATCHES)}. Affected range `{tv.AFFECTED}`; fixed upstream in "
+        f"TRL {tv.FIXED_IN}. A release not listed here is *unknown*: the shape check of each patch decides, and "
+        "`liger-ddp-patch status` says what was checked. Code shapes the checks accept: "
+        + ", ".join(f"`{s}`" for s in SHAPES)
+        + ".",
+        "",
+        "Verified: `tests/test_versions.py::test_release_report[<version>]` (the engine's decision on the real "
+        "wheel) and `tests/test_matrix.py::test_ddp_matrix[<version>]` (2 ranks, CPU/gloo, tiny Qwen3 with a "
+        "151,936-token vocabulary; unpatched and patched). Gradients differing across ranks, unpatched → patched, "
+        "out of 25 parameters:",
+        "",
+        f"| TRL | Trainer defined in | Fused losses | What is broken (unpatched, DDP) | What this package does "
+        f"| Shape ({names}) | Verified (2-rank run) | CI |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for line in LINES:
+        for version in line.versions:
+            modules = _per_trainer(version, lambda s, v: f"`{s.module_at(v)}`")
+            does = _per_trainer(version, lambda s, v: _DOES[s.shape_at(v)])
+            shapes = " / ".join(spec.shape_at(version) for spec in SPECS)
+            rows.append(
+                f"| {version} | {modules} | {line.fused} | {line.broken} | {does} | {shapes} | {_observed(version)} "
+                f"| {tier(version)} |"
+            )
+    rows += [
+        "",
+        "CI: `always` rows run both tests on every CI run; `report` rows run the engine-report test always and the "
+        "2-rank run only with `LIGER_DDP_PATCH_FULL_MATRIX=1`; `full` rows run both only with "
+        "`LIGER_DDP_PATCH_FULL_MATRIX=1` (see `.ci/trl_matrix.sh`). TRL 1.12.0 also runs always with liger-kernel "
+        "0.8.2 (`tests/test_matrix.py::test_liger_kernel_minimum`).",
+        "",
+    ]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["versions"]:
+        print(render_versions(), end="")
+    elif sys.argv[1:2] == ["ci-versions"]:
+        print(*ci_versions(full="--full" in sys.argv))
+    else:
+        sys.exit("usage: python tests/matrix.py versions | ci-versions [--full]")

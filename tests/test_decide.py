@@ -1,0 +1,52 @@
+"""The patch decision, table-driven: ``decide(record, version, target, mismatch)`` with no engine and no TRL around.
+
+The first table is the generic gate (any library); the second runs every TRL release the package has read through
+the real records, and compares with what the 2-rank runs showed (tests/matrix.py), stated independently of the
+runtime data (RELEASES, AFFECTED, FIXED_IN).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import matrix
+from liger_ddp_patch.engine import decide
+from liger_ddp_patch.patches import PATCHES
+from test_engine import record
+
+FOUND, LOOKS_FIXED = "fakelib.Trainer.step", "step() no longer returns 'broken'"
+
+
+@pytest.mark.parametrize(
+    ("version", "target", "mismatch", "absent", "status", "reason"),
+    [
+        # a release we have read: its version decides
+        ("1.12.0", FOUND, None, (), "applied", "step() fixed (fakelib.Trainer.step, fakelib 1.12.0 is affected)"),
+        ("1.14.0", FOUND, LOOKS_FIXED, (), "not_needed", "fixed upstream in fakelib 1.14.0 (installed 1.14.0)"),
+        ("1.14.0", FOUND, None, (), "not_needed", "fixed upstream in fakelib 1.14.0"),  # even if it still looked broken
+        ("1.8.0", FOUND, None, (), "unsupported", "fakelib 1.8.0 is outside the affected range >=1.9.0,<1.14.0"),
+        ("1.12.0", FOUND, LOOKS_FIXED, (), "unsupported", f"shape check failed: {LOOKS_FIXED}; left untouched"),
+        ("1.12.0", None, None, (), "unsupported", "fakelib:Trainer.step not found in fakelib 1.12.0; left untouched"),
+        ("1.12.0", None, None, ("optional_dep",), "not_needed", "optional_dep is not installed, so it never is"),
+        # a version we have not read: the code's shape decides
+        ("1.13.1", FOUND, None, (), "applied", "fakelib 1.13.1 is not a release we have verified, applied because"),
+        ("1.13.1", FOUND, LOOKS_FIXED, (), "unsupported", "shape check failed"),
+        ("2.0.0", FOUND, None, (), "applied", "not a release we have verified"),
+        ("2.0.0", FOUND, LOOKS_FIXED, (), "not_needed", f"fakelib 2.0.0 is not a release we have read, and {LOOKS_FIXED}"),
+        ("2.0.0", None, None, (), "not_needed", "not found in fakelib 2.0.0; upstream fixed this in 1.14.0"),
+        # no usable version at all
+        (None, FOUND, None, (), "unsupported", "cannot read a valid fakelib version (got None)"),
+        ("not-a-version", FOUND, None, (), "unsupported", "cannot read a valid fakelib version (got 'not-a-version')"),
+    ],
+)
+def test_gate(version, target, mismatch, absent, status, reason):
+    got = decide(record("fakelib"), version, target, mismatch, absent)
+    assert got[0] == status and reason in got[1], got
+
+
+@pytest.mark.parametrize("version", matrix.ci_versions(full=True))
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name)
+def test_every_trl_release_gets_the_status_its_runs_call_for(patch, version):
+    """Code as we read it in each release (found; shape as on the affected releases): status from the version alone."""
+    status, reason = decide(patch, version, "trl.trainer.x.Trainer.attr", None)
+    assert status == matrix.expected_status(version), reason
