@@ -7,6 +7,7 @@ that says what was expected and falls back to the default.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import NamedTuple
 
@@ -33,7 +34,25 @@ class Settings(NamedTuple):
 
 
 def _warn(message: str) -> None:
-    warnings.warn(message, SettingsWarning, stacklevel=3)
+    warnings.warn(message, SettingsWarning, stacklevel=_outside_package())
+
+
+def _outside_package() -> int:
+    """The ``stacklevel`` of the first caller outside this package: the user's ``import`` line (or sitecustomize).
+
+    Counted as ``warnings.warn`` counts: frames of the import machinery (``importlib._bootstrap``) do not count.
+    """
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(2), 2  # _warn's caller, seen from warnings.warn
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "importlib" in name and "_bootstrap" in name:
+            frame = frame.f_back
+            continue
+        if not os.path.abspath(name).startswith(package):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
 
 
 def _parse_bool(var: str, raw: str) -> bool:

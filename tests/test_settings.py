@@ -55,3 +55,17 @@ def test_strict():
     assert read(LIGER_DDP_PATCH_STRICT="1").strict
     with pytest.warns(SettingsWarning, match="LIGER_DDP_PATCH_STRICT='maybe' is not a boolean"):
         assert not read(LIGER_DDP_PATCH_STRICT="maybe").strict
+
+
+def test_warning_points_at_the_users_import_line(tmp_path):
+    """A bad variable is reported at the line that imported the package, not inside the package."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text("import os\nimport liger_ddp_patch\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "LIGER_DDP_PATCH_DISABLE": "dpo_compute_los", "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-W", "always", str(script)], capture_output=True, text=True, env=env)
+    assert f"{script}:2: SettingsWarning: LIGER_DDP_PATCH_DISABLE names unknown patch(es) dpo_compute_los" in proc.stderr
