@@ -119,15 +119,8 @@ def compare_across_ranks(model: torch.nn.Module) -> dict:
     return {"params": total, "differing": differing, "max_abs_diff": max_diff, "differing_names": names[:5]}
 
 
-def run_one(kind: str, assets: str, args) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-
-    spec = trainer_specs()[kind]
-    config_cls, trainer_cls = _trainer_classes(kind)
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-    tokenizer = AutoTokenizer.from_pretrained(assets)
-    model = AutoModelForCausalLM.from_pretrained(assets, dtype=getattr(torch, args.model_dtype))
-    config = config_cls(
+def _config(config_cls, kind: str, args):
+    return config_cls(
         output_dir=tempfile.mkdtemp(prefix=f"probe-{kind}-"),
         use_liger_kernel=not args.no_liger,
         liger_kernel_config=NO_TRITON,
@@ -147,6 +140,17 @@ def run_one(kind: str, assets: str, args) -> dict:
         disable_tqdm=True,
         seed=0,
     )
+
+
+def run_one(kind: str, assets: str, args) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    spec = trainer_specs()[kind]
+    config_cls, trainer_cls = _trainer_classes(kind)
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    tokenizer = AutoTokenizer.from_pretrained(assets)
+    model = AutoModelForCausalLM.from_pretrained(assets, dtype=getattr(torch, args.model_dtype))
+    config = _config(config_cls, kind, args)
     result: dict = {"trainer": kind}
     # The eval set is the same on every rank: the Trainer shards it, so eval metrics are comparable across runs.
     eval_dataset = _dataset(kind, 7) if args.eval_steps else None

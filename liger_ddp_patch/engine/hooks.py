@@ -12,9 +12,9 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from .. import log
-from ..settings import DISABLE, Settings
+from ..settings import DISABLE, STRICT, Settings
 from .decide import decide
-from .records import APPLIED, DISABLED, FAILED, NOT_NEEDED, PENDING, UNSUPPORTED, Patch, PatchError, Status
+from .records import APPLIED, DISABLED, FAILED, NOT_NEEDED, PENDING, UNSUPPORTED, Patch, PatchError, Status, describe, summary
 
 MARK = "__liger_ddp_patch__"  # set on every replacement we install, so a second engine never wraps it again
 ORIGINAL = "__liger_ddp_patch_original__"  # and the object it replaced, so a second engine can restore it
@@ -158,14 +158,11 @@ class Engine:
             for name in names:
                 if name not in self._applied and self._status[name].status != DISABLED:
                     self._patch_one(self.records[name], module)
-            self._log_summary(module.__name__, names)
-            if self.settings.strict:
-                bad = [self._status[n] for n in names if self._status[n].status in (UNSUPPORTED, FAILED)]
-                if bad:
-                    raise PatchError(
-                        "LIGER_DDP_PATCH_STRICT=1 and these patches could not be applied: "
-                        + "; ".join(f"{s.name} ({s.status}): {s.reason}" for s in bad)
-                    )
+            statuses = [self._status[n] for n in names]
+            log.emit(*summary(module.__name__, statuses))
+            bad = [s for s in statuses if s.status in (UNSUPPORTED, FAILED)]
+            if bad and self.settings.strict:
+                raise PatchError(f"{STRICT}=1 and these patches could not be applied: " + describe(bad))
 
     def _patch_one(self, record: Patch, module: Any) -> None:
         try:
@@ -210,12 +207,3 @@ class Engine:
     def _set(self, name: str, status: str, reason: str) -> None:
         current = self._status[name]
         current.status, current.reason = status, reason
-
-    def _log_summary(self, module: str, names: list[str]) -> None:
-        """DEBUG when every patch went to plan (invisible by default); WARNING when one could not apply."""
-        statuses = [self._status[n] for n in names]
-        version = next((s.version for s in statuses if s.version), None)
-        parts = [f"{s.name}={s.status}" + ("" if s.status == APPLIED else f" ({s.reason})") for s in statuses]
-        bad = any(s.status in (UNSUPPORTED, FAILED) for s in statuses)
-        message = "liger_ddp_patch: %s imported (version %s): %s"
-        log.emit(30 if bad else 10, message, module, version, "; ".join(parts))  # logging.WARNING / DEBUG

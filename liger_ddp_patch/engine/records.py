@@ -71,3 +71,16 @@ class Status:
 
     def __repr__(self) -> str:
         return "Status(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items()) + ")"
+
+
+def describe(statuses: list[Status]) -> str:
+    return "; ".join(f"{s.name} ({s.status}): {s.reason}" for s in statuses)
+
+
+def summary(module: str, statuses: list[Status]) -> tuple[int, str]:
+    """``(level, line)`` for the log once a module's patches are decided: DEBUG when every one went to plan
+    (invisible by default), WARNING when one could not apply."""
+    version = next((s.version for s in statuses if s.version), None)
+    parts = [f"{s.name}={s.status}" + ("" if s.status == APPLIED else f" ({s.reason})") for s in statuses]
+    bad = any(s.status in (UNSUPPORTED, FAILED) for s in statuses)
+    return 30 if bad else 10, f"liger_ddp_patch: {module} imported (version {version}): {'; '.join(parts)}"
