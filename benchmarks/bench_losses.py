@@ -1,24 +1,22 @@
 #!/usr/bin/env python
-"""Benchmark: ChunkedDPOLoss vs Liger's fused DPO loss vs materialised logits (forward + backward, CPU).
+"""Benchmark (CPU): our chunked DPO loss against its peers, forward + backward, fp32 and bf16, arms interleaved.
 
-    python benchmarks/bench_losses.py            # full table (~10-15 min on 2 cores)
-    python benchmarks/bench_losses.py --quick    # one small size, one rep (~1 min)
+    python benchmarks/bench_losses.py                   # full table: 2 dtypes x 2 sizes x {50 %, 0 %} prompt, 3 rounds
+    python benchmarks/bench_losses.py --quick           # bf16 + fp32, (4, 512), 50 % prompt, 1 round
+    python benchmarks/bench_losses.py --json out.json   # also keep every measurement
 
-Setup: H=896, V=32000 (Qwen2-0.5B-like head, no bias), fp32, reference model on, sigmoid DPO loss.
-``B`` is the number of *sequences* handed to the loss (chosen and rejected stacked, as TRL does), i.e.
-B/2 pairs.  A fraction ``--prompt-frac`` of each row's leading positions is set to ignore_index (prompt);
-the 0 %-prompt rows are printed too, because our loss skips ignored positions and the fused one does not.
+Setup: H=896, V=32000 (Qwen2-0.5B-like head, no bias), reference model on, sigmoid DPO loss; ``B`` counts
+sequences (chosen and rejected stacked, as TRL hands them to the loss).  The first ``prompt`` fraction of every row
+is ignore_index.  The arms are described in ``_arms.py``: ours, Liger fused (compiled=False and compiled=True:
+inductor works on this CPU), TRL 1.14's chunked log-prob path (``_ChunkedLogProbFunction``, trl/trainer/utils.py
+of an unpacked 1.14.0 wheel in ``$LIGER_DDP_PATCH_TRL_DIRS/1.14.0``, default .cache/trl/1.14.0), materialised
+logits and the GEMM-only floor.
 
-Each (implementation, size, prompt fraction) runs in its own subprocess: one warm-up, then the median wall
-time of ``--reps`` (default 3) forward+backward steps.  Memory = peak RSS (sampled every 2 ms by a thread)
-minus the RSS after the inputs were created.
-
-Implementations:
-  ours   liger_ddp_patch.losses.ChunkedDPOLoss (default token chunk)
-  liger  liger_kernel.chunked_loss.LigerFusedLinearDPOLoss(compiled=False)
-  mat    materialised logits: h @ W.T, log_softmax, gather, same DPO loss, plain autograd
-  gemm   only the GEMMs no exact loss can avoid, over the non-ignored tokens: policy logits GEMM,
-         grad_input GEMM, grad_weight GEMM, reference logits GEMM (token-chunked like ours)
+Fairness: every measurement is a fresh process (``--worker``) doing one warm-up step (which also compiles) and
+then ``--reps`` timed steps (median); memory is the peak RSS over the timed steps (sampled every 2 ms) minus the
+RSS once inputs and warm-up are done.  A round runs every arm once per configuration, A, B, C, A, B, C, ...; the
+table gives each arm's median over rounds and, for the ratios, the median of the per-round ratios (both arms of a
+ratio ran back to back in the same round, so machine drift cancels).
 """
 
 from __future__ import annotations
@@ -33,9 +31,15 @@ import sys
 import threading
 import time
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 H, V = 896, 32000
-SIZES = [(4, 512), (2, 2048), (2, 4096)]
-IMPLS = ["ours", "liger", "mat", "gemm"]
+SIZES = [(4, 512), (2, 2048)]
+DTYPES = ["float32", "bfloat16"]
+FRACS = [0.5, 0.0]
+ARMS = ["ours", "liger", "liger_c", "trl114", "mat", "gemm"]
+PEERS = ["liger", "liger_c", "trl114", "mat", "gemm"]
+TRL_DIRS = os.environ.get("LIGER_DDP_PATCH_TRL_DIRS", os.path.join(ROOT, ".cache", "trl"))
 
 
 def _rss_bytes() -> int:
@@ -45,10 +49,9 @@ def _rss_bytes() -> int:
 
 class PeakSampler:
     def __init__(self, interval=0.002):
-        self.interval = interval
-        self.peak = _rss_bytes()
+        self.interval, self.peak = interval, _rss_bytes()
         self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         while not self._stop.is_set():
@@ -56,201 +59,140 @@ class PeakSampler:
             time.sleep(self.interval)
 
     def __enter__(self):
-        self._t.start()
+        self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
-        self._t.join()
+        self._thread.join()
         self.peak = max(self.peak, _rss_bytes())
 
 
-def _inputs(B, L, prompt_frac, seed=0):
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    h = (torch.randn(B, L, H, generator=g)).requires_grad_(True)
-    w = (torch.randn(V, H, generator=g) * 0.02).requires_grad_(True)
-    rh = torch.randn(B, L, H, generator=g)
-    rw = torch.randn(V, H, generator=g) * 0.02
-    t = torch.randint(0, V, (B, L), generator=g)
-    t[:, : int(prompt_frac * L)] = -100
-    return h, w, rh, rw, t
-
-
-def _step_fn(impl, h, w, rh, rw, t, token_chunk_size):
-    import torch
-    import torch.nn.functional as F
-
-    if impl == "ours":
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from liger_ddp_patch.losses import ChunkedDPOLoss
-
-        loss_fn = ChunkedDPOLoss(token_chunk_size=token_chunk_size)
-
-        def step():
-            loss, _ = loss_fn(w, h, t, None, rh, rw, None)
-            loss.backward()
-
-    elif impl == "liger":
-        from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
-
-        loss_fn = LigerFusedLinearDPOLoss(compiled=False)
-
-        def step():
-            loss, _ = loss_fn(w, h, t, None, rh, rw, None)
-            loss.backward()
-
-    elif impl == "mat":
-
-        def seq_logps(hid, wt):
-            logits = hid @ wt.t()
-            lp = F.log_softmax(logits.float(), dim=-1)
-            mask = t != -100
-            tok = lp.gather(-1, t.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-            return (tok * mask).sum(-1)
-
-        def step():
-            pol = seq_logps(h, w)
-            with torch.no_grad():
-                ref = seq_logps(rh, rw)
-            n = t.shape[0] // 2
-            d = 0.1 * ((pol[:n] - ref[:n]) - (pol[n:] - ref[n:]))
-            loss = -F.logsigmoid(d).sum() / n
-            loss.backward()
-
-    elif impl == "gemm":
-        from liger_ddp_patch.losses._core import resolve_token_chunk_size
-
-        chunk = resolve_token_chunk_size(token_chunk_size, V)
-        pos = (t != -100).reshape(-1).nonzero().squeeze(1)
-        h2, rh2 = h.detach().reshape(-1, H), rh.reshape(-1, H)
-        wd = w.detach()
-
-        def step():
-            gw = torch.zeros_like(wd)
-            gh = torch.zeros_like(h2)
-            buf = torch.empty(min(chunk, max(1, pos.numel())), V)
-            for s in range(0, pos.numel(), chunk):
-                p = pos[s : s + chunk]
-                hc = h2.index_select(0, p)
-                b = buf[: p.numel()]
-                torch.mm(hc, wd.t(), out=b)  # policy logits
-                gh.index_copy_(0, p, b @ wd)  # grad_input (b stands in for grad_logits)
-                gw.addmm_(b.t(), hc)  # grad_weight
-                torch.mm(rh2.index_select(0, p), rw.t(), out=b)  # reference logits
-
-    else:
-        raise SystemExit(f"unknown impl {impl}")
-    return step
-
-
-def worker(impl, B, L, prompt_frac, reps, token_chunk_size, threads):
+def worker(arm, dtype, B, L, frac, reps, token_chunk_size, threads):
     import gc
 
     import torch
 
+    sys.path[:0] = [HERE, ROOT]
+    import _arms
+
     if threads:
         torch.set_num_threads(threads)
-    h, w, rh, rw, t = _inputs(B, L, prompt_frac)
-    step = _step_fn(impl, h, w, rh, rw, t, token_chunk_size)
+    x = _arms.make_inputs(B, L, H, V, frac, getattr(torch, dtype))
+    step = _arms.make_step(arm, x, token_chunk_size)
+    step()  # warm-up (and compile, for liger_c)
+    times = []
     gc.collect()
     base = _rss_bytes()
-    times = []
     with PeakSampler() as sampler:
-        for i in range(reps + 1):
-            h.grad = None
-            w.grad = None
+        for _ in range(reps):
+            x["h"].grad = x["w"].grad = None
             t0 = time.perf_counter()
             step()
-            dt = time.perf_counter() - t0
-            if i > 0:
-                times.append(dt)
-    n_tok = int((t != -100).sum())
-    print(json.dumps(dict(impl=impl, B=B, L=L, prompt_frac=prompt_frac, time=statistics.median(times),
-                          times=times, mem_mb=(sampler.peak - base) / 2**20, tokens=n_tok,
+            times.append(time.perf_counter() - t0)
+    print(json.dumps(dict(arm=arm, dtype=dtype, B=B, L=L, frac=frac, time=statistics.median(times), times=times,
+                          mem_mb=(sampler.peak - base) / 2**20, tokens=int((x["t"] != -100).sum()),
                           threads=torch.get_num_threads())))
 
 
-def run_one(impl, B, L, frac, args):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, str(B), str(L), str(frac),
+def run_worker(arm, cfg, args):
+    dtype, B, L, frac = cfg
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", arm, dtype, str(B), str(L), str(frac),
            "--reps", str(args.reps)]
     if args.token_chunk_size:
         cmd += ["--token-chunk-size", str(args.token_chunk_size)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if arm == "trl114":
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(TRL_DIRS, "1.14.0"), env.get("PYTHONPATH")) if p)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
-        print(f"[{impl} B={B} L={L} frac={frac}] failed:\n{r.stderr[-2000:]}", file=sys.stderr)
+        print(f"  [{arm} {cfg}] failed:\n{r.stderr[-1500:]}", file=sys.stderr)
         return None
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    print(f"  {impl:6s} B={B} L={L:5d} prompt={frac:.0%}: {res['time']:.2f} s  {res['mem_mb']:.0f} MB", file=sys.stderr)
+    print(f"  {arm:8s} {dtype:8s} B={B} L={L:5d} prompt={frac:.0%}: {res['time']:.2f} s  {res['mem_mb']:.0f} MB",
+          file=sys.stderr, flush=True)
     return res
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", nargs=4, metavar=("IMPL", "B", "L", "FRAC"))
-    ap.add_argument("--quick", action="store_true", help="only (B=4, L=512), 50%% prompt, 1 rep")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--prompt-fracs", default="0.5,0.0")
-    ap.add_argument("--impls", default=",".join(IMPLS))
-    ap.add_argument("--token-chunk-size", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=None)
-    args = ap.parse_args()
-    if args.worker:
-        impl, B, L, frac = args.worker
-        worker(impl, int(B), int(L), float(frac), args.reps, args.token_chunk_size, args.threads)
-        return
-    sizes = SIZES
-    fracs = [float(x) for x in args.prompt_fracs.split(",")]
-    if args.quick:
-        sizes, fracs, args.reps = [(4, 512)], [0.5], 1
-    impls = args.impls.split(",")
-    import torch
+def _med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
 
-    t_start = time.time()
-    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {platform.node()}  {platform.processor() or platform.machine()}  "
-          f"{os.cpu_count()} CPUs  torch {torch.__version__}  threads {args.threads or torch.get_num_threads()}  "
-          f"H={H} V={V} fp32 ref-model on  reps={args.reps}", file=sys.stderr)
-    res = {}
-    for frac in fracs:
-        for B, L in sizes:
-            for impl in impls:
-                res[(impl, B, L, frac)] = run_one(impl, B, L, frac, args)
 
-    def g(impl, B, L, frac, key):
-        r = res.get((impl, B, L, frac))
-        return None if r is None else r[key]
+def table(configs, rounds):
+    """Markdown rows: per configuration, each arm's median time/memory and ours/peer median per-round ratios."""
 
     def fmt(x, spec):
         return "-" if x is None else format(x, spec)
 
-    def ratio(a, b):
-        return None if a is None or b is None or b == 0 else a / b
+    hdr = ["dtype", "prompt", "B x L", "tokens w/ loss", "ours s", "ours MB"]
+    for p in PEERS:
+        hdr += [f"{p} s", f"{p} MB"] if p != "gemm" else ["gemm s"]
+    hdr += [f"ours/{p} time" for p in PEERS] + [f"ours/{p} mem" for p in ("liger", "liger_c", "trl114", "mat")]
+    lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    for cfg in configs:
+        dtype, B, L, frac = cfg
+        runs = [r.get(cfg, {}) for r in rounds]
 
-    hdr = ("| prompt | B x L | tokens w/ loss | ours s | ours MB | Liger s | Liger MB | mat s | mat MB | GEMM-only s "
-           "| ours/Liger time | ours/Liger mem | ours/GEMM time |")
-    print(hdr)
-    print("|" + "|".join(["---"] * (hdr.count("|") - 1)) + "|")
-    for frac in fracs:
-        for B, L in sizes:
-            row = [f"{frac:.0%}", f"{B} x {L}", fmt(g("ours", B, L, frac, "tokens"), "d"),
-                   fmt(g("ours", B, L, frac, "time"), ".2f"), fmt(g("ours", B, L, frac, "mem_mb"), ".0f"),
-                   fmt(g("liger", B, L, frac, "time"), ".2f"), fmt(g("liger", B, L, frac, "mem_mb"), ".0f"),
-                   fmt(g("mat", B, L, frac, "time"), ".2f"), fmt(g("mat", B, L, frac, "mem_mb"), ".0f"),
-                   fmt(g("gemm", B, L, frac, "time"), ".2f"),
-                   fmt(ratio(g("ours", B, L, frac, "time"), g("liger", B, L, frac, "time")), ".2f"),
-                   fmt(ratio(g("ours", B, L, frac, "mem_mb"), g("liger", B, L, frac, "mem_mb")), ".2f"),
-                   fmt(ratio(g("ours", B, L, frac, "time"), g("gemm", B, L, frac, "time")), ".2f")]
-            print("| " + " | ".join(row) + " |")
-    for frac in fracs:
-        for impl in impls:
-            m0, m1 = g(impl, 4, 512, frac, "mem_mb"), g(impl, 2, 4096, frac, "mem_mb")
-            if m0 is not None and m1 is not None:
-                print(f"memory growth L=512 -> 4096, {impl}, prompt {frac:.0%}: {m0:.0f} -> {m1:.0f} MB "
-                      f"({(m1 / m0 - 1) * 100:+.0f}%)")
-    print(f"(total benchmark wall time {time.time() - t_start:.0f} s)")
+        def med(arm, key):
+            return _med([run[arm][key] if run.get(arm) else None for run in runs])
+
+        def ratio(peer, key):
+            return _med([run["ours"][key] / run[peer][key] if run.get("ours") and run.get(peer) and run[peer][key]
+                         else None for run in runs])
+
+        tokens = next((run[a]["tokens"] for run in runs for a in run if run.get(a)), None)
+        row = [{"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype), f"{frac:.0%}", f"{B} x {L}", fmt(tokens, "d"),
+               fmt(med("ours", "time"), ".2f"), fmt(med("ours", "mem_mb"), ".0f")]
+        for p in PEERS:
+            row += [fmt(med(p, "time"), ".2f")] + ([fmt(med(p, "mem_mb"), ".0f")] if p != "gemm" else [])
+        row += [fmt(ratio(p, "time"), ".2f") for p in PEERS]
+        row += [fmt(ratio(p, "mem_mb"), ".2f") for p in ("liger", "liger_c", "trl114", "mat")]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", nargs=5, metavar=("ARM", "DTYPE", "B", "L", "FRAC"))
+    ap.add_argument("--quick", action="store_true", help="(4, 512), 50%% prompt, fp32 + bf16, 1 round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=1, help="timed steps per process (after one warm-up)")
+    ap.add_argument("--dtypes", default=",".join(DTYPES))
+    ap.add_argument("--prompt-fracs", default=",".join(map(str, FRACS)))
+    ap.add_argument("--sizes", default=",".join(f"{b}x{l}" for b, l in SIZES), help="e.g. 4x512,2x2048")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--token-chunk-size", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", help="write every measurement here")
+    args = ap.parse_args()
+    if args.worker:
+        arm, dtype, B, L, frac = args.worker
+        worker(arm, dtype, int(B), int(L), float(frac), args.reps, args.token_chunk_size, args.threads)
+        return
+    sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    fracs = [float(f) for f in args.prompt_fracs.split(",")]
+    if args.quick:
+        sizes, fracs, args.rounds = [(4, 512)], [0.5], 1
+    configs = [(d, B, L, f) for d in args.dtypes.split(",") for f in fracs for B, L in sizes]
+    arms = args.arms.split(",")
+    import torch
+
+    started = time.time()
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}  {os.cpu_count()} CPUs  "
+          f"torch {torch.__version__}  threads {args.threads or torch.get_num_threads()}  H={H} V={V}  "
+          f"rounds={args.rounds} reps={args.reps}", file=sys.stderr)
+    rounds = []
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}", file=sys.stderr)
+        rounds.append({cfg: {arm: run_worker(arm, cfg, args) for arm in arms} for cfg in configs})
+        if args.json:  # after every round, so that an interrupted run keeps what it measured
+            with open(args.json, "w") as fh:
+                json.dump([{"|".join(map(str, cfg)): v for cfg, v in rnd.items()} for rnd in rounds], fh, indent=1)
+    print(table(configs, rounds))
+    print(f"(total wall time {time.time() - started:.0f} s)")
 
 
 if __name__ == "__main__":

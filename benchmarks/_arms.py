@@ -1,0 +1,139 @@
+"""The DPO-loss implementations the benchmarks compare (CPU: bench_losses.py; GPU: gpu_check.py), device-agnostic.
+
+Every arm computes the same thing: sigmoid DPO loss, beta 0.1, reference model on, summed log-probs over the
+non-ignored tokens, for ``B`` stacked sequences (chosen rows first), then ``loss.backward()`` into the policy hidden
+states and LM-head weight.  ``make_step(arm, x)`` returns ``step() -> loss``.
+
+  ours      liger_ddp_patch.losses.ChunkedDPOLoss (default token chunk unless told)
+  liger     liger_kernel.chunked_loss.LigerFusedLinearDPOLoss(compiled=False)
+  liger_c   the same with compiled=True (torch.compile: inductor on CPU, Triton on a GPU)
+  trl114    TRL 1.14.0's own chunked log-prob path, the one upstream replaced the fused loss with:
+            ``_ChunkedLogProbFunction`` in trl/trainer/utils.py, called as DPOTrainer._get_per_token_logps_and_entropies
+            (trl/trainer/dpo_trainer.py) calls it: boolean-masked hidden states, vocabulary chunk
+            ``_CHUNKED_LOGPROB_CHUNK_SIZE = 8192``; needs TRL 1.14 first on sys.path
+  mat       materialised logits: h @ W.T, log_softmax in fp32, gather, plain autograd
+  gemm      only the GEMMs no exact loss can avoid, over the tokens with loss (policy logits, grad-input,
+            grad-weight, reference logits), token-chunked like ours, in the input dtype: a floor, not a loss
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+BETA = 0.1
+TRL114_VOCAB_CHUNK = 8192  # trl 1.14.0, trl/trainer/dpo_trainer.py: _CHUNKED_LOGPROB_CHUNK_SIZE
+ARMS = ("ours", "liger", "liger_c", "trl114", "mat", "gemm")
+
+
+def make_inputs(B, L, H, V, prompt_frac, dtype=torch.float32, device="cpu", seed=0, w_scale=0.02):
+    """Policy (h, w) with grads, frozen reference (rh, rw), targets t with the first ``prompt_frac`` ignored."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    x = dict(h=rn(B, L, H).requires_grad_(True), w=rn(V, H, scale=w_scale).requires_grad_(True),
+             rh=rn(B, L, H), rw=rn(V, H, scale=w_scale),
+             t=torch.randint(0, V, (B, L), generator=g, device=device))
+    x["t"][:, : int(prompt_frac * L)] = IGNORE
+    return x
+
+
+def dpo_sigmoid(pol, ref):
+    n = pol.shape[0] // 2
+    d = BETA * ((pol[:n] - ref[:n]) - (pol[n:] - ref[n:]))
+    return -F.logsigmoid(d).sum() / n
+
+
+def _with_backward(loss_fn):
+    def step():
+        loss = loss_fn()
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def make_step(arm, x, token_chunk_size=None):
+    h, w, rh, rw, t = x["h"], x["w"], x["rh"], x["rw"], x["t"]
+    if arm == "ours":
+        from liger_ddp_patch.losses import ChunkedDPOLoss
+
+        fn = ChunkedDPOLoss(token_chunk_size=token_chunk_size)
+        return _with_backward(lambda: fn(w, h, t, None, rh, rw, None)[0])
+    if arm in ("liger", "liger_c"):
+        from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
+
+        fn = LigerFusedLinearDPOLoss(compiled=arm == "liger_c")
+        return _with_backward(lambda: fn(w, h, t, None, rh, rw, None)[0])
+    mask = t != IGNORE
+    if arm == "mat":
+
+        def seq_logps(hid, wt):
+            logp = F.log_softmax((hid @ wt.t()).float(), dim=-1)
+            return (logp.gather(-1, t.clamp_min(0).unsqueeze(-1)).squeeze(-1) * mask).sum(-1)
+
+    elif arm == "trl114":
+        from trl.trainer.utils import _ChunkedLogProbFunction
+
+        rows, labels = mask.nonzero()[:, 0], t[mask]
+
+        def seq_logps(hid, wt):
+            logp, _ = _ChunkedLogProbFunction.apply(hid[mask], wt, None, labels, 1.0, TRL114_VOCAB_CHUNK, None, 1.0)
+            return torch.zeros(t.shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
+
+    elif arm == "gemm":
+        return _gemm_floor(x, token_chunk_size)
+    else:
+        raise ValueError(f"unknown arm {arm!r}")
+
+    def loss():
+        with torch.no_grad():
+            ref = seq_logps(rh, rw)
+        return dpo_sigmoid(seq_logps(h, w), ref)
+
+    return _with_backward(loss)
+
+
+def _gemm_floor(x, token_chunk_size):
+    from liger_ddp_patch.losses._core import resolve_token_chunk_size
+
+    h, w, rh, rw, t = x["h"], x["w"], x["rh"], x["rw"], x["t"]
+    V, H = w.shape
+    chunk = resolve_token_chunk_size(token_chunk_size, V, h.device, h.dtype)
+    pos = (t != IGNORE).reshape(-1).nonzero().squeeze(1)
+    h2, rh2, wd = h.detach().reshape(-1, H), rh.reshape(-1, H), w.detach()
+
+    def step():
+        gw = torch.zeros_like(wd)
+        gh = torch.zeros_like(h2)
+        buf = torch.empty(min(chunk, max(1, pos.numel())), V, dtype=wd.dtype, device=wd.device)
+        for s in range(0, pos.numel(), chunk):
+            p = pos[s : s + chunk]
+            hc = h2.index_select(0, p)
+            b = buf[: p.numel()]
+            torch.mm(hc, wd.t(), out=b)  # policy logits
+            gh.index_copy_(0, p, b @ wd)  # grad-input (b stands in for grad-logits)
+            gw.addmm_(b.t(), hc)  # grad-weight
+            torch.mm(rh2.index_select(0, p), rw.t(), out=b)  # reference logits
+        return torch.zeros(())
+
+    return step
+
+
+def reference(x):
+    """fp32 truth on the same (already rounded) values: materialised, fp32 everywhere, no autocast, no TF32."""
+    y = {k: (v.detach().float().requires_grad_(k in ("h", "w")) if v.is_floating_point() else v) for k, v in x.items()}
+    loss = make_step("mat", y)()
+    return loss, y["h"].grad, y["w"].grad
+
+
+def rel_errors(loss, gh, gw, ref):
+    """max |a - b| / max |b| for the loss, grad-hidden and grad-weight."""
+
+    def rel(a, b):
+        return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+    return {"loss": rel(loss, ref[0]), "grad_h": rel(gh, ref[1]), "grad_w": rel(gw, ref[2])}

@@ -1,0 +1,323 @@
+#!/usr/bin/env python
+"""The one prepared GPU check (issue #9): the loss head in bf16 at a real size, and real GPU DDP, in <= 8 minutes.
+
+    bash benchmarks/gpu_wheels.sh                    # here, with network: wheels the GPU machine lacks -> .whl/
+    python3 benchmarks/gpu_check.py --out $OUT       # there: one H200, no network (carry .whl)
+    python3 benchmarks/gpu_check.py --cpu-smoke      # anywhere: the same code paths at tiny sizes on CPU (a test)
+
+(a) DPO head loss, bf16, V=151,936, H=3,584, B=2, L=4,096, 50 % and 0 % prompt: ours vs Liger fused
+    (compiled=True) vs TRL 1.14's chunked log-prob path vs materialised logits; per arm the median step time
+    (CUDA events), ``torch.cuda.max_memory_allocated`` over the step minus what was allocated before it, and the
+    relative error of loss, grad-hidden and grad-weight against an fp32 materialised reference on the same values.
+(b) DDP with device_ids on the GPU: two one-process "nodes" on loopback (``torchrun --nnodes=2
+    --nproc_per_node=1``), both on cuda:0 with ``ddp_backend="gloo"`` (NCCL refuses two ranks on one GPU), the
+    repo's probe (liger_ddp_patch/demo/probe.py ``--device cuda``) running one DPO and one KTO step with Liger on
+    the tiny Qwen3 with the real vocabulary; TRL 1.12.0 and 1.8.0 (before 1.9 the unpatched trainer crashes in
+    DDP), unpatched vs patched: parameters whose gradients differ across the ranks.
+
+Prints one table and writes ``gpu_check.json`` to ``--out``.  Packages the GPU machine lacks (``WHEELS``) are
+installed from ``.whl/`` with ``pip install --no-index --no-deps --target``: every TRL release into its own folder,
+the rest (only those not importable already) into a common one.  ``--cpu-smoke`` takes TRL from
+``.cache/trl/<version>`` (``.ci/trl_matrix.sh --prepare-only``) when ``.whl/`` is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WHEEL_DIR = ROOT / ".whl"
+TRL_CACHE = Path(os.environ.get("LIGER_DDP_PATCH_TRL_DIRS", ROOT / ".cache" / "trl"))
+# (distribution, version, import name).  What the H200 image lacks (its package list: trl, liger-kernel,
+# datasets and two of datasets' needs); the versions are the ones CI runs with.
+WHEELS = [
+    ("trl", "1.14.0", "trl"),
+    ("trl", "1.12.0", "trl"),
+    ("trl", "1.8.0", "trl"),
+    ("liger-kernel", "0.8.5", "liger_kernel"),
+    ("datasets", "5.2.0", "datasets"),
+    ("dill", "0.4.1", "dill"),
+    ("multiprocess", "0.70.19", "multiprocess"),
+]
+DDP_TRL = ("1.12.0", "1.8.0")
+ARMS_A = ("ours", "liger_c", "trl114", "mat")
+GPU_SIZE = dict(V=151_936, H=3_584, B=2, L=4_096)
+SMOKE_SIZE = dict(V=512, H=64, B=2, L=64)
+
+
+# ------------------------------------------------------------------------------------------------ wheels
+
+
+def _wheel_file(wheel_dir: Path, dist: str, version: str) -> Path | None:
+    stem = f"{dist.replace('-', '_')}-{version}-"
+    return next((p for p in sorted(wheel_dir.glob("*.whl")) if p.name.lower().startswith(stem.lower())), None)
+
+
+def install(wheel_dir: Path, site: Path, wheels=WHEELS) -> dict:
+    """``pip install --no-index --no-deps --target``: ``site/trl-<v>`` per TRL release, ``site/common`` for the rest.
+
+    A package that already imports is left alone (the image's own version wins).  Returns
+    ``{"common": path, "trl-<v>": path, "installed": [...]}``.
+    """
+    paths = {"common": str(site / "common"), "installed": []}
+    for dist, version, module in wheels:
+        target = site / (f"trl-{version}" if dist == "trl" else "common")
+        if dist == "trl":
+            paths[f"trl-{version}"] = str(target)
+            if (target / "trl" / "__init__.py").exists():
+                continue
+        elif importlib.util.find_spec(module) is not None or (target / module).exists():
+            continue
+        wheel = _wheel_file(wheel_dir, dist, version)
+        if wheel is None:
+            raise SystemExit(f"{dist}=={version}: no wheel in {wheel_dir} (run bash benchmarks/gpu_wheels.sh)")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--disable-pip-version-check", "--target", str(target), str(wheel)], check=True)
+        paths["installed"].append(wheel.name)
+    return paths
+
+
+def package_paths(smoke: bool, site: Path) -> dict:
+    if WHEEL_DIR.is_dir() and any(WHEEL_DIR.glob("*.whl")):
+        return install(WHEEL_DIR, site)
+    if not smoke:
+        raise SystemExit(f"no wheels in {WHEEL_DIR}: run `bash benchmarks/gpu_wheels.sh` on a machine with network")
+    paths = {"common": "", "installed": []}  # CI machine: datasets & liger-kernel installed, TRL unpacked
+    for version in {v for d, v, _ in WHEELS if d == "trl"}:
+        folder = TRL_CACHE / version
+        if not (folder / "trl" / "__init__.py").exists():
+            raise SystemExit(f"{folder} missing: bash .ci/trl_matrix.sh --prepare-only")
+        paths[f"trl-{version}"] = str(folder)
+    return paths
+
+
+def _pythonpath(*first: str) -> str:
+    return os.pathsep.join(p for p in (*first, str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
+# ------------------------------------------------------------------------------------ (a) the loss head
+
+
+def part_a(device: str, size: dict, reps: int) -> list[dict]:
+    """Runs inside a process with TRL 1.14 first on sys.path."""
+    import torch
+
+    sys.path[:0] = [str(HERE), str(ROOT)]
+    import _arms
+    from liger_ddp_patch.losses import _core
+
+    cuda = device == "cuda"
+
+    def timer(fn):
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    rows = []
+    V, H, B, L = size["V"], size["H"], size["B"], size["L"]
+    info = dict(fp32_output_gemm=_core.fp32_output_gemm(device, torch.bfloat16),
+                default_chunk=_core.resolve_token_chunk_size(None, V, device, torch.bfloat16))
+    for frac in (0.5, 0.0):
+        x = _arms.make_inputs(B, L, H, V, frac, torch.bfloat16, device)
+        ref = _arms.reference(x)
+        if cuda:
+            torch.cuda.empty_cache()
+        for arm in ARMS_A:
+            row = dict(arm=arm, prompt=frac, tokens=int((x["t"] != -100).sum()), **info)
+            try:
+                step = _arms.make_step(arm, x)
+                x["h"].grad = x["w"].grad = None
+                loss = step()  # warm-up (compiles liger_c); its result is the one checked
+                row["err"] = _arms.rel_errors(loss, x["h"].grad, x["w"].grad, ref)
+                times, peak = [], 0
+                for _ in range(reps):
+                    x["h"].grad = x["w"].grad = None
+                    if cuda:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        base = torch.cuda.memory_allocated()
+                    times.append(timer(step))
+                    if cuda:
+                        peak = max(peak, torch.cuda.max_memory_allocated() - base)
+                row.update(ms=sorted(times)[len(times) // 2], times_ms=times, peak_mib=peak / 2**20 if cuda else None)
+            except Exception as exc:  # one arm failing must not lose the others
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            finally:
+                x["h"].grad = x["w"].grad = None
+                step = loss = None
+                if cuda:
+                    torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        del x, ref
+    return rows
+
+
+def run_part_a(args, paths, out: Path) -> list[dict]:
+    result = out / "part_a.json"
+    cmd = [sys.executable, __file__, "--part-a", str(result), "--device", args.device, "--reps", str(args.reps)]
+    if args.cpu_smoke:
+        cmd.append("--cpu-smoke")
+    env = dict(os.environ, PYTHONPATH=_pythonpath(paths["trl-1.14.0"], paths["common"]), PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_a)
+    (out / "part_a.log").write_text(proc.stdout + proc.stderr)
+    if not result.exists():
+        return [dict(arm="-", error=f"part (a) exited {proc.returncode}: {proc.stderr[-1500:]}")]
+    return json.loads(result.read_text())
+
+
+# ------------------------------------------------------------------------------------------------- (b) DDP
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_two_nodes(trl_dir: str, common: str, assets: Path, patched: bool, device: str, out: Path, timeout: float):
+    """torchrun --nnodes=2 --nproc_per_node=1 twice on loopback, the probe on ``device``; rank 0's JSON."""
+    from liger_ddp_patch.demo import PROBE
+
+    result = out / "result.json"
+    port = _free_port()
+    env = dict(os.environ, PROBE_PATCH="before" if patched else "none", OMP_NUM_THREADS="1",
+               PYTHONPATH=_pythonpath(trl_dir, common))
+    if not patched:
+        env["LIGER_DDP_PATCH_DISABLE"] = "1"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1",
+             "--master_addr=127.0.0.1", f"--master_port={port}", str(PROBE), "--assets", str(assets),
+             "--trainers", "dpo,kto", "--out", str(result), "--device", device],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out)  # fmt: skip
+        for rank in (0, 1)
+    ]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            logs.append(p.communicate()[0] + "\n[timed out]")
+    (out / "log.txt").write_text("\n".join(logs))
+    if not result.exists():
+        return {"error": f"no result (exit {[p.returncode for p in procs]}): {logs[0][-1500:]}"}
+    return json.loads(result.read_text())
+
+
+def run_part_b(args, paths, out: Path) -> list[dict]:
+    from liger_ddp_patch.demo.tiny import REAL_VOCAB, build
+
+    assets = build(out / "tiny", vocab_size=64 if args.cpu_smoke else REAL_VOCAB)
+    rows = []
+    for version in DDP_TRL:
+        for patched in (False, True):
+            run_dir = out / f"ddp-{version}-{'patched' if patched else 'unpatched'}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            res = launch_two_nodes(paths[f"trl-{version}"], paths["common"], assets, patched, args.device, run_dir,
+                                   args.timeout_b)
+            for r in res.get("results", [{"trainer": "dpo,kto", "error": res.get("error")}]):
+                rows.append(dict(trl=res.get("trl", version), liger=res.get("liger_kernel"),
+                                 run="patched" if patched else "unpatched", **r))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def render(info: dict, rows_a: list[dict], rows_b: list[dict]) -> str:
+    s = info["size"]
+    lines = [f"(a) DPO head loss, bf16, V={s['V']:,} H={s['H']:,} B={s['B']} L={s['L']:,} on {info['device_name']} "
+             f"(torch {info['torch']}; ours: default chunk {rows_a[0].get('default_chunk', '?')}, "
+             f"fp32-output GEMM {rows_a[0].get('fp32_output_gemm', '?')})",
+             f"{'prompt':>6} {'arm':8} {'median ms':>10} {'peak MiB':>9} {'err loss':>9} {'err g_h':>9} {'err g_w':>9}"]
+    for r in rows_a:
+        if not r:
+            continue
+        if "error" in r:
+            lines.append(f"{r.get('prompt', 0):>6.0%} {r['arm']:8} failed: {r['error'][:90]}")
+            continue
+        e = r["err"]
+        peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+        lines.append(f"{r['prompt']:>6.0%} {r['arm']:8} {r['ms']:>10.1f} {peak:>9} {e['loss']:>9.1e} "
+                     f"{e['grad_h']:>9.1e} {e['grad_w']:>9.1e}")
+    lines += ["", f"(b) DDP, two one-process nodes on loopback, {info['ddp_device']}, gloo, tiny Qwen3 "
+                  f"(vocab {info['ddp_vocab']:,}), one DPO and one KTO step with Liger",
+              f"{'TRL':8} {'trainer':7} {'run':10} {'params':>6} {'differing':>9} {'max|dgrad|':>11}  loss module"]
+    for r in rows_b:
+        head = f"{r['trl']:8} {r['trainer']:7} {r['run']:10}"
+        if r.get("error"):
+            lines.append(f"{head} crashed: {r['error'].splitlines()[0][:80]}")
+        else:
+            lines.append(f"{head} {r.get('params', '-'):>6} {r.get('differing', '-'):>9} "
+                         f"{r.get('max_abs_diff', float('nan')):>11.3e}  {r.get('loss_class')}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: the same code paths, for the tests")
+    ap.add_argument("--out", default=None, help="folder for gpu_check.json and logs (default: a temporary folder)")
+    ap.add_argument("--parts", default="a,b")
+    ap.add_argument("--reps", type=int, default=None, help="timed steps per arm (default 5 on GPU, 2 on CPU)")
+    ap.add_argument("--timeout-a", type=float, default=360)
+    ap.add_argument("--timeout-b", type=float, default=300)
+    ap.add_argument("--print-wheels", action="store_true", help="the wheels gpu_wheels.sh downloads, one per line")
+    ap.add_argument("--part-a", metavar="JSON", help=argparse.SUPPRESS)
+    ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.print_wheels:
+        print("\n".join(f"{d}=={v}" for d, v, _ in WHEELS))
+        return 0
+    args.device = args.device or ("cpu" if args.cpu_smoke else "cuda")
+    args.reps = args.reps or (2 if args.cpu_smoke else 5)
+    size = SMOKE_SIZE if args.cpu_smoke else GPU_SIZE
+    if args.part_a:
+        Path(args.part_a).write_text(json.dumps(part_a(args.device, size, args.reps)))
+        return 0
+
+    import torch
+
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: use --cpu-smoke")
+    started = time.monotonic()
+    out = Path(args.out or tempfile.mkdtemp(prefix="gpu-check-"))
+    out.mkdir(parents=True, exist_ok=True)
+    paths = package_paths(args.cpu_smoke, Path(tempfile.mkdtemp(prefix="gpu-check-site-")))
+    info = dict(device=args.device, device_name=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                torch=torch.__version__, size=size, smoke=args.cpu_smoke, installed=paths["installed"],
+                ddp_device="cuda:0 (both ranks)" if args.device == "cuda" else "cpu", ddp_vocab=64 if args.cpu_smoke
+                else 151_936)  # fmt: skip
+    parts = args.parts.split(",")
+    rows_b = run_part_b(args, paths, out) if "b" in parts else []
+    info["seconds_b"] = round(time.monotonic() - started, 1)
+    rows_a = run_part_a(args, paths, out) if "a" in parts else [{}]
+    info["seconds"] = round(time.monotonic() - started, 1)
+    report = render(info, rows_a, rows_b)
+    (out / "gpu_check.json").write_text(json.dumps(dict(info=info, a=rows_a, b=rows_b), indent=1))
+    print(report)
+    print(f"\n{info['seconds']:.0f} s in all (part b {info['seconds_b']:.0f} s); JSON and logs in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
