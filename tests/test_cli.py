@@ -32,9 +32,9 @@ def test_status_json_resolves_pending_and_reports_every_patch():
 
 def test_status_exits_1_when_a_patch_cannot_apply(tmp_path):
     """Metadata says 1.8.0 (affected) but the code is 1.16.0's: every patch is unsupported, and the exit code says so."""
-    from test_versions import _fake
+    from test_versions import fake_release
 
-    proc = cli("status", env={"PYTHONPATH": str(_fake(tmp_path, "1.8.0", "1.16.0"))})
+    proc = cli("status", env={"PYTHONPATH": str(fake_release(tmp_path, "1.8.0", "1.16.0"))})
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stdout.count("unsupported") == 4, proc.stdout
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from liger_ddp_patch.patches.compute_loss import _redirect, decide
+from liger_ddp_patch.patches.compute_loss import redirect_forward, decide
 
 
 class Tiny(nn.Module):
@@ -82,7 +82,7 @@ def test_pre_19_redirect_hands_the_inputs_to_a_ddp_built_with_device_ids(process
         seen.append((model, flag))
         return model.lin(batch["x"]).sum()
 
-    loss = _redirect(ddp, inner, method, inner, inputs, False)
+    loss = redirect_forward(ddp, inner, method, inner, inputs, False)
     loss.backward()
     assert seen == [(inner, False)]
     assert inner.lin.weight.grad is not None

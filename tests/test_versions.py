@@ -101,7 +101,7 @@ def test_release_report(version):
             assert shape[0] is None, result["shapes"]
 
 
-def _fake(tmp_path: Path, version: str, code_from: str) -> Path:
+def fake_release(tmp_path: Path, version: str, code_from: str) -> Path:
     """A folder where ``trl`` is ``code_from``'s code but the installed metadata says ``version``."""
     source = require(code_from)
     folder = tmp_path / f"trl-{version}-from-{code_from}"
@@ -114,14 +114,14 @@ def _fake(tmp_path: Path, version: str, code_from: str) -> Path:
 
 
 def test_unknown_post_release_with_broken_code_is_patched_by_shape(tmp_path):
-    result = engine_report(_fake(tmp_path, "1.13.1", "1.13.0"))
+    result = engine_report(fake_release(tmp_path, "1.13.1", "1.13.0"))
     for status in result["statuses"].values():
         assert status["status"] == "applied", status
         assert "not a release we have verified" in status["reason"] and "shape check matched" in status["reason"]
 
 
 def test_unknown_future_release_with_fixed_code_is_left_alone(tmp_path):
-    result = engine_report(_fake(tmp_path, "2.0.0", "1.14.0"))
+    result = engine_report(fake_release(tmp_path, "2.0.0", "1.14.0"))
     for name, status in result["statuses"].items():
         assert status["status"] == "not_needed", status
         assert "2.0.0" in status["reason"] and tv.FIXED_IN in status["reason"], status
@@ -132,14 +132,14 @@ def test_unknown_future_release_with_fixed_code_is_left_alone(tmp_path):
 
 def test_unknown_future_release_with_broken_code_is_patched_only_by_shape(tmp_path):
     """A 2.0.0 that still carried the 1.12 code: not a known release, so only the shape check lets it through."""
-    result = engine_report(_fake(tmp_path, "2.0.0", "1.12.0"))
+    result = engine_report(fake_release(tmp_path, "2.0.0", "1.12.0"))
     assert {s["status"] for s in result["statuses"].values()} == {"applied"}
     assert all("not a release we have verified" in s["reason"] for s in result["statuses"].values())
 
 
 def test_known_affected_release_with_unexpected_code_is_not_patched_blind(tmp_path):
     """Metadata says 1.8.0 (affected) but the code is 1.16.0's: the shape check refuses, nothing is replaced."""
-    result = engine_report(_fake(tmp_path, "1.8.0", "1.16.0"))
+    result = engine_report(fake_release(tmp_path, "1.8.0", "1.16.0"))
     for name in ("dpo_compute_loss", "kto_compute_loss"):
         status = result["statuses"][name]
         assert status["status"] == "unsupported", status

@@ -119,7 +119,7 @@ def decide(model: Any, unwrapped: Any, uses_liger: bool) -> tuple[bool, str]:
     return False, f"{'no wrapper' if model is unwrapped else type(model).__name__}: left to TRL"
 
 
-def _redirect(wrapper: Any, inner: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+def redirect_forward(wrapper: Any, inner: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
     """Run ``method(*args, **kwargs)`` as ``inner``'s forward, called through ``wrapper`` so its forward runs.
 
     TRL 1.9+ trainers carry ``_forward_redirection``; older DPO/KTO trainers do not, so this is our own. The inputs go
@@ -168,7 +168,7 @@ def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
             def run(unwrapped_model, inputs, return_outputs):
                 return original(self, unwrapped_model, inputs, return_outputs, num_items_in_batch)
 
-            redirect = getattr(self, "_forward_redirection", None) or _redirect
+            redirect = getattr(self, "_forward_redirection", None) or redirect_forward
             return redirect(model, unwrapped, run, unwrapped, inputs, return_outputs)
 
         return compute_loss
