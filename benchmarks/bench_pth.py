@@ -27,7 +27,9 @@ from liger_ddp_patch import pth
 def make_venv(folder: str) -> tuple[str, str]:
     venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(folder)
     python = os.path.join(folder, "bin", "python")
-    purelib = subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True)
+    purelib = subprocess.check_output(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+    )
     return python, purelib.strip()
 
 

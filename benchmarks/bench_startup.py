@@ -5,7 +5,8 @@
 Each command is a fresh ``python -c ...``; runs are interleaved (A, B, A, B, ...) so drift in machine load hits
 every arm alike, one warm-up round is dropped, and medians are printed. The TRL arm *with* the package includes
 the patches being applied when TRL's trainer modules load. Bytecode caching is on for the subprocesses (like an
-installed package; ``--no-bytecode`` keeps ``PYTHONDONTWRITEBYTECODE`` from the environment instead). ``--importtime`` adds the ten slowest modules (self
+installed package; ``--no-bytecode`` keeps ``PYTHONDONTWRITEBYTECODE`` from the environment instead).
+``--importtime`` adds the ten slowest modules (self
 time) of ``python -X importtime -c "import liger_ddp_patch"``.
 Targets: package <= wrapt + 15 ms; ``from trl import DPOTrainer`` with the package <= 1.02x without.
 """
@@ -87,7 +88,7 @@ def importtime(top: int = 10) -> list[tuple[int, int, str]]:
     rows = []
     for line in err.splitlines():
         if line.startswith("import time:") and "|" in line and "self" not in line:
-            self_us, cumulative_us, name = (part.strip() for part in line[len("import time:"):].split("|"))
+            self_us, cumulative_us, name = (part.strip() for part in line[len("import time:") :].split("|"))
             rows.append((int(self_us), int(cumulative_us), name))
     return sorted(rows, reverse=True)[:top]
 
@@ -97,28 +98,41 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--trl-runs", type=int, default=5)
     parser.add_argument("--importtime", action="store_true")
-    parser.add_argument("--no-bytecode", action="store_true", help="keep PYTHONDONTWRITEBYTECODE: our modules compile every run")
+    parser.add_argument(
+        "--no-bytecode", action="store_true", help="keep PYTHONDONTWRITEBYTECODE: our modules compile every run"
+    )
     args = parser.parse_args()
-    if not args.no_bytecode:  # an installed package has its .pyc files (pip compiles them); a source tree gets them here
+    if (
+        not args.no_bytecode
+    ):  # an installed package has its .pyc files (pip compiles them); a source tree gets them here
         ENV.pop("PYTHONDONTWRITEBYTECODE", None)
 
     small = interleaved(SMALL, args.runs)
     trl = interleaved(TRL, args.trl_runs) if args.trl_runs else {}
     cache = "no bytecode cache for our modules" if args.no_bytecode else "with .pyc files"
-    print(f"medians: {args.runs} interleaved runs each (TRL: {args.trl_runs}), Python {sys.version.split()[0]}, {cache}")
+    print(
+        f"medians: {args.runs} interleaved runs each (TRL: {args.trl_runs}), Python {sys.version.split()[0]}, {cache}"
+    )
     for name, value in {**small, **trl}.items():
         print(f"  {name:<32} {1e3 * value:9.1f} ms")
     extra = 1e3 * (small["import liger_ddp_patch"] - small["import wrapt"])
-    print(f"package vs wrapt: {extra:+.1f} ms (target <= +15 ms: {'met' if extra <= 15 else 'MISSED'}); "
-          f"over bare interpreter: {1e3 * (small['import liger_ddp_patch'] - small['python -c pass']):+.1f} ms")
+    print(
+        f"package vs wrapt: {extra:+.1f} ms (target <= +15 ms: {'met' if extra <= 15 else 'MISSED'}); "
+        f"over bare interpreter: {1e3 * (small['import liger_ddp_patch'] - small['python -c pass']):+.1f} ms"
+    )
     if trl:
         ratio = trl["+ import liger_ddp_patch first"] / trl["from trl import DPOTrainer"]
-        print(f"TRL import with/without the package: {ratio:.3f}x (target <= 1.02x: {'met' if ratio <= 1.02 else 'MISSED'})")
+        print(
+            f"TRL import with/without the package: {ratio:.3f}x "
+            f"(target <= 1.02x: {'met' if ratio <= 1.02 else 'MISSED'})"
+        )
     if args.trl_runs:
         package, hooks, rest = direct(args.trl_runs)
-        print(f"in-process (median of {args.trl_runs}): import liger_ddp_patch {1e3 * package:.1f} ms + hooks while TRL "
-              f"loads {1e3 * hooks:.1f} ms, against TRL's own import {1e3 * rest:.0f} ms: "
-              f"{(package + hooks + rest) / rest:.4f}x")
+        print(
+            f"in-process (median of {args.trl_runs}): import liger_ddp_patch {1e3 * package:.1f} ms + hooks while TRL "
+            f"loads {1e3 * hooks:.1f} ms, against TRL's own import {1e3 * rest:.0f} ms: "
+            f"{(package + hooks + rest) / rest:.4f}x"
+        )
     if args.importtime:
         print("\nslowest modules of `python -X importtime -c 'import liger_ddp_patch'` (self / cumulative, us):")
         for self_us, cumulative_us, name in importtime():

@@ -60,8 +60,10 @@ def worker(args) -> None:
     if rank == 0:
         step_ms, check_ms = 1e3 * statistics.median(steps), 1e3 * statistics.median(checks)
         amortised = check_ms / args.every
-        print(f"model: {n_params / 1e6:.1f} M parameters in {len(list(model.parameters()))} tensors, "
-              f"world {dist.get_world_size()}, gloo, 1 thread per rank")
+        print(
+            f"model: {n_params / 1e6:.1f} M parameters in {len(list(model.parameters()))} tensors, "
+            f"world {dist.get_world_size()}, gloo, 1 thread per rank"
+        )
         print(f"{'median step':>16} {'median check':>14} {'check/step':>11} {f'amortised N={args.every}':>16}")
         print(f"{step_ms:>13.1f} ms {check_ms:>11.2f} ms {check_ms / step_ms:>10.1%} "
               f"{amortised:>9.3f} ms/step = {amortised / step_ms:.3%} of a step")  # fmt: skip
@@ -83,7 +85,8 @@ def main() -> None:
 
         args.assets = str(build(tempfile.mkdtemp(prefix="bench-verify-"), vocab_size=args.vocab_size or REAL_VOCAB))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           "--assets", args.assets, "--every", str(args.every), "--steps", str(args.steps), "--checks", str(args.checks)]  # fmt: skip
+           "--assets", args.assets, "--every", str(args.every), "--steps", str(args.steps),
+           "--checks", str(args.checks)]  # fmt: skip
     sys.exit(subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode)
 
 

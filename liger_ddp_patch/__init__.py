@@ -13,9 +13,19 @@ import sys
 
 from . import settings as _settings
 from .engine import Engine, PatchError, Status
-from .patches import NAMES as _NAMES, PATCHES as _PATCHES
+from .patches import NAMES as _NAMES
+from .patches import PATCHES as _PATCHES
 
-__all__ = ["GradientDesyncError", "PatchError", "Status", "apply", "report", "unpatch", "verify_gradient_sync", "__version__"]
+__all__ = [
+    "GradientDesyncError",
+    "PatchError",
+    "Status",
+    "apply",
+    "report",
+    "unpatch",
+    "verify_gradient_sync",
+    "__version__",
+]
 __version__ = "0.1.0"
 
 _engine = Engine(_PATCHES, _settings.read(_NAMES))
@@ -50,7 +60,7 @@ if not _engine.settings.disable_all:
 
 
 def verify_gradient_sync(trainer, every: int = 100):
-    """Raise :class:`GradientDesyncError` if ``trainer``'s gradients differ across ranks (step 0, then every ``every``)."""
+    """Raise :class:`GradientDesyncError` if ``trainer``'s gradients differ across ranks (step 0, then every N)."""
     from .verify import verify_gradient_sync
 
     return verify_gradient_sync(trainer, every)

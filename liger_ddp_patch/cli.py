@@ -1,4 +1,7 @@
-"""``liger-ddp-patch status [--json] | demo | run -- CMD | pth install|uninstall [--site-dir DIR]`` (also ``python -m liger_ddp_patch``)."""
+"""``liger-ddp-patch status [--json] | demo | run -- CMD | pth install|uninstall [--site-dir DIR]``.
+
+Also ``python -m liger_ddp_patch``.
+"""
 
 from __future__ import annotations
 
@@ -32,7 +35,9 @@ def _run(command: list[str]) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        print("liger-ddp-patch run: nothing to run; usage: liger-ddp-patch run -- torchrun ... train.py", file=sys.stderr)
+        print(
+            "liger-ddp-patch run: nothing to run; usage: liger-ddp-patch run -- torchrun ... train.py", file=sys.stderr
+        )
         return 2
     package_root = os.path.dirname(os.path.dirname(FOLDER))
     old = os.environ.get("PYTHONPATH", "")
@@ -55,14 +60,19 @@ def _pth(action: str, site_dir: str | None) -> int:
     if action == "install":
         print(f"wrote {done}: processes started with {pth.VARIABLE}=1 import liger_ddp_patch")
         if not pth.is_site_dir(os.path.dirname(done)):
-            print(f"note: Python does not read .pth files from {os.path.dirname(done)} unless it is a site dir", file=sys.stderr)
+            print(
+                f"note: Python does not read .pth files from {os.path.dirname(done)} unless it is a site dir",
+                file=sys.stderr,
+            )
     else:
         print(f"removed {done}" if done else f"nothing to remove: no {pth.path(site_dir)}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="liger-ddp-patch", description="Restore DDP gradient sync for TRL's Liger DPO/KTO path.")
+    parser = argparse.ArgumentParser(
+        prog="liger-ddp-patch", description="Restore DDP gradient sync for TRL's Liger DPO/KTO path."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="which patches apply to the installed TRL, and why the others do not")
     status.add_argument("--json", action="store_true", help="machine-readable output")

@@ -174,7 +174,9 @@ class GradientSyncVerifier(TrainerCallback):
         if self._sharded(args):  # FSDP/DeepSpeed shard gradients: ranks legitimately hold different values
             if not self._warned:
                 self._warned = True
-                warnings.warn("liger_ddp_patch: gradient-sync verification skipped: FSDP/DeepSpeed shard gradients")
+                warnings.warn(
+                    "liger_ddp_patch: gradient-sync verification skipped: FSDP/DeepSpeed shard gradients", stacklevel=2
+                )
             return
         self.check(model, state.global_step)
 
@@ -192,11 +194,11 @@ class GradientSyncVerifier(TrainerCallback):
         if bad:
             names = [n for n, _ in named]
             ranks = sorted({r for rs in bad.values() for r in rs})
-            raise GradientDesyncError(
-                describe(names, bad, world, step), [names[i] for i in sorted(bad)], ranks, step
-            )
+            raise GradientDesyncError(describe(names, bad, world, step), [names[i] for i in sorted(bad)], ranks, step)
         if dist.get_rank() == 0:
-            log.debug("liger_ddp_patch: gradients in sync across %d ranks at step %s (%d parameters)", world, step, len(named))
+            log.debug(
+                "liger_ddp_patch: gradients in sync across %d ranks at step %s (%d parameters)", world, step, len(named)
+            )
 
 
 def verify_gradient_sync(trainer, every: int = DEFAULT_EVERY) -> GradientSyncVerifier:

@@ -32,7 +32,11 @@ class Line(NamedTuple):
     @property
     def versions(self) -> tuple[str, ...]:
         following = LINES[LINES.index(self) + 1].first if self is not LINES[-1] else None
-        return tuple(v for v in tv.RELEASES if Version(self.first) <= Version(v) and (following is None or Version(v) < Version(following)))
+        return tuple(
+            v
+            for v in tv.RELEASES
+            if Version(self.first) <= Version(v) and (following is None or Version(v) < Version(following))
+        )
 
     @property
     def patched(self) -> bool:
@@ -80,9 +84,11 @@ def expected_status(version: str) -> str:
 # the exception the run ended with. Releases absent here have not been run yet. Runs of 2026-12-02.
 _CRASH = {1: "AttributeError: get_decoder", 2: "AttributeError: base_model"}
 OBSERVED: dict[str, dict[str, tuple[int | str, int | str]]] = {
-    **{v: {"dpo": (_CRASH[1], 0), "kto": (_CRASH[1], 0)} for v in ("1.0.0", "1.1.0", "1.2.0", "1.3.0", "1.4.0", "1.5.0", "1.5.1")},
+    **{v: {"dpo": (_CRASH[1], 0), "kto": (_CRASH[1], 0)}
+       for v in ("1.0.0", "1.1.0", "1.2.0", "1.3.0", "1.4.0", "1.5.0", "1.5.1")},
     **{v: {"dpo": (_CRASH[2], 0), "kto": (_CRASH[2], 0)} for v in ("1.6.0", "1.7.0", "1.7.1", "1.8.0")},
-    **{v: {"dpo": (25, 0), "kto": (25, 0)} for v in ("1.9.0", "1.9.1", "1.9.2", "1.10.0", "1.11.0", "1.12.0", "1.13.0")},
+    **{v: {"dpo": (25, 0), "kto": (25, 0)}
+       for v in ("1.9.0", "1.9.1", "1.9.2", "1.10.0", "1.11.0", "1.12.0", "1.13.0")},
     **{v: {"dpo": (0, 0), "kto": (0, 0)} for v in ("1.14.0", "1.14.1", "1.14.2", "1.16.0")},
     "1.15.0": {k: ("RuntimeError: 0 active drivers", "RuntimeError: 0 active drivers") for k in ("dpo", "kto")},
 }  # fmt: skip
@@ -121,7 +127,7 @@ _DOES = {
     "crash, gradients all-reduced; the inputs pass through the wrapper, as DDP with `device_ids` needs) and swaps the "
     "trainer's fused loss for our chunked one; any other setup (ZeRO-3/FSDP included) runs TRL's code",
     "batch_metrics": "as `unredirected`, for the Liger branch of its `get_batch_loss_metrics`",
-    "fixed": "nothing: every patch reports `not_needed` (\"fixed upstream in trl 1.14.0\"); an import of the package "
+    "fixed": 'nothing: every patch reports `not_needed` ("fixed upstream in trl 1.14.0"); an import of the package '
     "changes nothing",
 }
 

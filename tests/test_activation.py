@@ -13,7 +13,12 @@ EXAMPLE = ROOT / "sitecustomize_example"
 
 def python(code: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=120, **kwargs
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+        **kwargs,
     )
 
 
@@ -30,7 +35,9 @@ def test_sitecustomize_example_patches_and_chains_to_the_users_own(tmp_path):
     user.mkdir()
     (user / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = '1'\n")
     env = {"PYTHONPATH": os.pathsep.join([str(EXAMPLE), str(user), os.environ.get("PYTHONPATH", "")])}
-    proc = python("import os, sys; print('liger_ddp_patch' in sys.modules, os.environ.get('USER_SITECUSTOMIZE_RAN'))", env)
+    proc = python(
+        "import os, sys; print('liger_ddp_patch' in sys.modules, os.environ.get('USER_SITECUSTOMIZE_RAN'))", env
+    )
     assert proc.stdout.split() == ["True", "1"], proc.stderr
 
 

@@ -31,7 +31,7 @@ def test_status_json_resolves_pending_and_reports_every_patch():
 
 
 def test_status_exits_1_when_a_patch_cannot_apply(tmp_path):
-    """Metadata says 1.8.0 (affected) but the code is 1.16.0's: every patch is unsupported, and the exit code says so."""
+    """Metadata says 1.8.0 (affected) but the code is 1.16.0's: every patch is unsupported; the exit code says so."""
     from test_versions import fake_release
 
     proc = cli("status", env={"PYTHONPATH": str(fake_release(tmp_path, "1.8.0", "1.16.0"))})
@@ -54,7 +54,9 @@ def test_status_json_single_name_disabled():
 
 
 def test_run_puts_the_bootstrap_first_and_execs():
-    probe = "import sys, liger_ddp_patch.bootstrap as b; print('liger_ddp_patch' in sys.modules, sys.path[1] == b.FOLDER)"
+    probe = (
+        "import sys, liger_ddp_patch.bootstrap as b; print('liger_ddp_patch' in sys.modules, sys.path[1] == b.FOLDER)"
+    )
     proc = cli("run", "--", sys.executable, "-c", probe)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True", "True"]

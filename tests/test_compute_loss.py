@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from liger_ddp_patch.patches.compute_loss import redirect_forward, decide
+from liger_ddp_patch.patches.compute_loss import decide, redirect_forward
 
 
 class Tiny(nn.Module):

@@ -7,12 +7,12 @@ runtime data (RELEASES, AFFECTED, FIXED_IN).
 
 from __future__ import annotations
 
-import pytest
-
 import matrix
+import pytest
+from test_engine import record
+
 from liger_ddp_patch.engine import decide
 from liger_ddp_patch.patches import PATCHES
-from test_engine import record
 
 FOUND, LOOKS_FIXED = "fakelib.Trainer.step", "step() no longer returns 'broken'"
 
@@ -32,7 +32,14 @@ FOUND, LOOKS_FIXED = "fakelib.Trainer.step", "step() no longer returns 'broken'"
         ("1.13.1", FOUND, None, (), "applied", "fakelib 1.13.1 is not a release we have verified, applied because"),
         ("1.13.1", FOUND, LOOKS_FIXED, (), "unsupported", "shape check failed"),
         ("2.0.0", FOUND, None, (), "applied", "not a release we have verified"),
-        ("2.0.0", FOUND, LOOKS_FIXED, (), "not_needed", f"fakelib 2.0.0 is not a release we have read, and {LOOKS_FIXED}"),
+        (
+            "2.0.0",
+            FOUND,
+            LOOKS_FIXED,
+            (),
+            "not_needed",
+            f"fakelib 2.0.0 is not a release we have read, and {LOOKS_FIXED}",
+        ),
         ("2.0.0", None, None, (), "not_needed", "not found in fakelib 2.0.0; upstream fixed this in 1.14.0"),
         # no usable version at all
         (None, FOUND, None, (), "unsupported", "cannot read a valid fakelib version (got None)"),

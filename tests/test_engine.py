@@ -10,22 +10,22 @@ import textwrap
 
 import pytest
 
-from liger_ddp_patch.engine import hooks as engine_mod
 from liger_ddp_patch.engine import Engine, Patch, PatchError
+from liger_ddp_patch.engine import hooks as engine_mod
 from liger_ddp_patch.settings import Settings
 
 _counter = itertools.count()
 
-BROKEN = '''
+BROKEN = """
 class Trainer:
     def step(self, x):
         return "broken"
-'''
-FIXED = '''
+"""
+FIXED = """
 class Trainer:
     def step(self, x):
         return "fixed upstream"
-'''
+"""
 
 
 @pytest.fixture
@@ -71,7 +71,8 @@ def record(module: str, *, calls: list | None = None, **overrides) -> Patch:
     return Patch(**fields)
 
 
-def run(module: str, version: str | None, monkeypatch, settings=Settings(), **overrides) -> tuple[Engine, object]:
+def run(module: str, version: str | None, monkeypatch, settings=None, **overrides) -> tuple[Engine, object]:
+    settings = settings or Settings()
     monkeypatch.setattr(engine_mod, "installed_version", lambda dist: version)
     engine = Engine([record(module, **overrides)], settings)
     engine.install()
@@ -135,7 +136,12 @@ def test_apply_after_unpatch_patches_again(fakelib, monkeypatch):
     [
         ("1.14.0", BROKEN, "not_needed", "fixed upstream in fakelib 1.14.0 (installed 1.14.0)"),
         ("1.8.0", BROKEN, "unsupported", "fakelib 1.8.0 is outside the affected range >=1.9.0,<1.14.0"),
-        ("2.0.0", BROKEN, "applied", "fakelib 2.0.0 is not a release we have verified, applied because the shape check"),
+        (
+            "2.0.0",
+            BROKEN,
+            "applied",
+            "fakelib 2.0.0 is not a release we have verified, applied because the shape check",
+        ),
         ("2.0.0", FIXED, "not_needed", "fakelib 2.0.0 is not a release we have read, and step() no longer returns"),
         ("1.12.0", FIXED, "unsupported", "shape check failed: step() no longer returns 'broken'; left untouched"),
         ("1.13.1", FIXED, "unsupported", "shape check failed"),

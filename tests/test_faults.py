@@ -28,7 +28,10 @@ def test_trl_absent():
 
 
 def test_liger_kernel_absent_leaves_the_fused_loss_patches_not_needed_even_in_strict_mode():
-    code = "import sys; sys.modules['liger_kernel'] = None\nimport liger_ddp_patch\nfrom trl import DPOTrainer, KTOTrainer\n"
+    code = (
+        "import sys; sys.modules['liger_kernel'] = None\n"
+        "import liger_ddp_patch\nfrom trl import DPOTrainer, KTOTrainer\n"
+    )
     rows = statuses(python(code + REPORT, LIGER_DDP_PATCH_STRICT="1"))
     assert rows["dpo_compute_loss"]["status"] == rows["kto_compute_loss"]["status"] == "applied"
     for name in ("dpo_chunked_loss", "kto_chunked_loss"):
@@ -60,7 +63,10 @@ def test_strict_mode_raises_from_the_trl_import_when_a_patch_cannot_apply(tmp_pa
     )
     strict = python(code, LIGER_DDP_PATCH_STRICT="1")
     assert strict.returncode != 0
-    assert "PatchError: LIGER_DDP_PATCH_STRICT=1 and these patches could not be applied: dpo_compute_loss (unsupported)" in strict.stderr
+    assert (
+        "PatchError: LIGER_DDP_PATCH_STRICT=1 and these patches could not be applied: dpo_compute_loss (unsupported)"
+        in strict.stderr
+    )
     relaxed = python(code)
     assert relaxed.returncode == 0 and "imported" in relaxed.stdout
     assert "dpo_compute_loss=unsupported (shape check failed: no known shape matches" in relaxed.stderr

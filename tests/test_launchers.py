@@ -44,7 +44,8 @@ def test_accelerate_launch(tiny_small, tmp_path, injected):
     """`accelerate launch` on 2 CPU processes; the package arrives only through the sitecustomize example."""
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *probe_args(tiny_small, out)]  # fmt: skip
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           *probe_args(tiny_small, out)]  # fmt: skip
     env = env_with([EXAMPLE] if injected else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     result = read(out, [proc])
@@ -62,9 +63,23 @@ def test_two_node_torchrun_on_loopback(tiny_small, tmp_path, injected):
     prefix = [sys.executable, "-m", "liger_ddp_patch", "run", "--"] if injected else []
     procs = [
         subprocess.Popen(
-            [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
-             "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", *probe_args(tiny_small, out)],
-            env=env_with([]), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+            [
+                *prefix,
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node_rank={rank}",
+                "--nproc_per_node=1",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                *probe_args(tiny_small, out),
+            ],
+            env=env_with([]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
         )  # fmt: skip
         for rank in (0, 1)
     ]

@@ -54,12 +54,15 @@ def test_unwritable_dir_is_a_clear_error(tmp_path, monkeypatch):
     if os.geteuid() != 0:
         tmp_path.chmod(0o555)
     else:  # root writes anywhere: simulate the permission error
+
         def deny(*args, **kwargs):
             raise PermissionError(13, "Permission denied")
 
         monkeypatch.setattr("builtins.open", deny)
     try:
-        with pytest.raises(pth.PthError, match=r"cannot write .*liger_ddp_patch\.pth: Permission denied; pass --site-dir"):
+        with pytest.raises(
+            pth.PthError, match=r"cannot write .*liger_ddp_patch\.pth: Permission denied; pass --site-dir"
+        ):
             pth.install(tmp_path)
     finally:
         tmp_path.chmod(0o755)

@@ -68,4 +68,6 @@ def test_warning_points_at_the_users_import_line(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "LIGER_DDP_PATCH_DISABLE": "dpo_compute_los", "PYTHONPATH": root}
     proc = subprocess.run([sys.executable, "-W", "always", str(script)], capture_output=True, text=True, env=env)
-    assert f"{script}:2: SettingsWarning: LIGER_DDP_PATCH_DISABLE names unknown patch(es) dpo_compute_los" in proc.stderr
+    assert (
+        f"{script}:2: SettingsWarning: LIGER_DDP_PATCH_DISABLE names unknown patch(es) dpo_compute_los" in proc.stderr
+    )

@@ -36,7 +36,9 @@ def test_single_process_is_bitwise_trl(single_runs, trainer):
     assert after["loss_class"] == before["loss_class"] == TRL_LOSS[trainer]
     # loss and every logged metric, exactly (train_runtime and the throughput figures are wall-clock)
     clock = ("runtime", "per_second")
-    history = [[{k: v for k, v in h.items() if not any(c in k for c in clock)} for h in r["history"]] for r in (before, after)]
+    history = [
+        [{k: v for k, v in h.items() if not any(c in k for c in clock)} for h in r["history"]] for r in (before, after)
+    ]
     assert history[0] == history[1] and any("rewards/chosen" in h or "rewards/chosen_sum" in h for h in history[1])
     grads = [torch.load(out / f"{label}.{trainer}.pt") for label in ("unpatched", "patched")]
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 25

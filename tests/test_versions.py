@@ -17,10 +17,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matrix
 import pytest
 
-import matrix
-from liger_ddp_patch.patches import NAMES, trl_versions as tv
+from liger_ddp_patch.patches import NAMES
+from liger_ddp_patch.patches import trl_versions as tv
 from liger_ddp_patch.patches.trainers import SPECS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +88,7 @@ def test_release_report(version):
     result = engine_report(folder)
     assert result["trl"] == version and result["file"].startswith(str(folder)), result["file"]
     assert set(result["statuses"]) == NAMES
-    for name, status in result["statuses"].items():
+    for status in result["statuses"].values():
         assert status["status"] == matrix.expected_status(version), status
         assert status["version"] == version
         if status["status"] == "not_needed":
@@ -122,7 +123,7 @@ def test_unknown_post_release_with_broken_code_is_patched_by_shape(tmp_path):
 
 def test_unknown_future_release_with_fixed_code_is_left_alone(tmp_path):
     result = engine_report(fake_release(tmp_path, "2.0.0", "1.14.0"))
-    for name, status in result["statuses"].items():
+    for status in result["statuses"].values():
         assert status["status"] == "not_needed", status
         assert "2.0.0" in status["reason"] and tv.FIXED_IN in status["reason"], status
     # what was checked is in the words: the guard already redirects / the fused loss is gone

@@ -36,13 +36,17 @@ def run_probe(
     """
     out = Path(tempfile.mkdtemp(prefix="liger-ddp-probe-")) / "result.json"
     full_env = {**os.environ, **(env or {}), "PROBE_PATCH": mode, "OMP_NUM_THREADS": "1"}
-    full_env["PYTHONPATH"] = os.pathsep.join([*pythonpath, PACKAGE_ROOT, full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    full_env["PYTHONPATH"] = os.pathsep.join([*pythonpath, PACKAGE_ROOT, full_env.get("PYTHONPATH", "")]).rstrip(
+        os.pathsep
+    )
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launch] if nproc else []
     cmd = [sys.executable, *launcher, str(PROBE), "--assets", str(assets), "--trainers", trainers, "--out", str(out),
            *extra]  # fmt: skip
     proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if not out.exists():
-        raise RuntimeError(f"probe produced no result (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"probe produced no result (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     result = json.loads(out.read_text())
     result["log"] = proc.stdout + proc.stderr
     return result
@@ -82,5 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             if label == "patched":
                 ok &= result.get("differing") == 0 and "error" not in result
     print("\npatches:", ", ".join(f"{s['name']}={s['status']}" for s in runs["patched"]["report"] or []))
-    print(f"took {time.monotonic() - started:.0f} s; {'gradients in sync when patched' if ok else 'PATCHED RUN NOT IN SYNC'}")
+    print(
+        f"took {time.monotonic() - started:.0f} s; "
+        + ("gradients in sync when patched" if ok else "PATCHED RUN NOT IN SYNC")
+    )
     return 0 if ok else 1

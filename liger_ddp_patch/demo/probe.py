@@ -1,9 +1,11 @@
-"""The 2-rank probe, run under ``torchrun`` as a plain script (it never imports this package unless asked): one DPO/KTO Liger step per trainer, then compare gradients across ranks.
+"""The 2-rank probe: one Liger step per trainer under ``torchrun``, then its gradients compared across ranks.
+
+It runs as a plain script and never imports this package unless asked.
 
 Each rank trains on different rows, so gradients that were never all-reduced differ. Rank 0 writes a JSON result to
 ``--out``. Run without torchrun it is one plain process; ``--grads-out`` then keeps the gradients for a bitwise
-comparison between runs. ``PROBE_PATCH`` says how the package arrives: ``before`` (imported before TRL), ``after`` (after
-``from trl import ...``), ``late`` (after the trainers are built), ``none`` (never imported here; a
+comparison between runs. ``PROBE_PATCH`` says how the package arrives: ``before`` (imported before TRL), ``after``
+(after ``from trl import ...``), ``late`` (after the trainers are built), ``none`` (never imported here; a
 ``sitecustomize`` may still bring it).
 """
 
@@ -88,7 +90,9 @@ def _watch_losses(seen: dict) -> object:
         name = type(module).__name__
         if name.endswith(("DPOLoss", "KTOLoss")):
             tensors = [a for a in args if torch.is_tensor(a) and a.is_floating_point()]
-            seen.setdefault(name, sorted({str(t.dtype) for t in tensors} | {f"autocast={torch.is_autocast_enabled('cpu')}"}))
+            seen.setdefault(
+                name, sorted({str(t.dtype) for t in tensors} | {f"autocast={torch.is_autocast_enabled('cpu')}"})
+            )
 
     return torch.nn.modules.module.register_module_forward_pre_hook(hook)
 
@@ -200,13 +204,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=1, help="optimizer steps")
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (0: no evaluation)")
-    parser.add_argument("--bf16", action="store_true", help="TRL's bf16=True (mixed precision; the loss still sees fp32)")
+    parser.add_argument(
+        "--bf16", action="store_true", help="TRL's bf16=True (mixed precision; the loss still sees fp32)"
+    )
     parser.add_argument("--model-dtype", default="float32", help="e.g. bfloat16: the loss then gets bf16 tensors")
     parser.add_argument("--no-liger", action="store_true", help="use_liger_kernel=False: the reference run")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: each rank on cuda:LOCAL_RANK, gloo (two one-process nodes can share cuda:0)")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: each rank on cuda:LOCAL_RANK, gloo (two one-process nodes can share cuda:0)",
+    )
     parser.add_argument("--weights-out", help="rank 0 saves the final weights to WEIGHTS_OUT.<trainer>.pt")
-    parser.add_argument("--grads-out", help="one process (no torchrun): save the first step's gradients to GRADS_OUT.<trainer>.pt")
+    parser.add_argument(
+        "--grads-out", help="one process (no torchrun): save the first step's gradients to GRADS_OUT.<trainer>.pt"
+    )
     args = parser.parse_args(argv)
 
     if PATCH_MODE == "after":
@@ -226,11 +238,14 @@ def main(argv: list[str] | None = None) -> None:
     report = None
     if "liger_ddp_patch" in sys.modules:
         report = [s.as_dict() for s in sys.modules["liger_ddp_patch"].report()]
-    import trl
     from importlib import metadata
 
+    import trl
+
     if int(os.environ.get("RANK", "0")) == 0:
-        liger = metadata.version("liger-kernel")  # the version matrix puts other liger-kernel releases first on the path
+        liger = metadata.version(
+            "liger-kernel"
+        )  # the version matrix puts other liger-kernel releases first on the path
         with open(args.out, "w") as fh:
             json.dump({"trl": trl.__version__, "liger_kernel": liger, "patch_mode": PATCH_MODE, "results": results,
                        "report": report}, fh)  # fmt: skip

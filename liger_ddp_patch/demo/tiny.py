@@ -6,6 +6,7 @@ from pathlib import Path
 
 REAL_VOCAB = 151_936  # Qwen's vocabulary size: large enough to trip the fused losses' compiled path inside DDP
 
+
 def build(directory: str | Path, vocab_size: int = REAL_VOCAB, seed: int = 0) -> Path:
     """Save a 2-layer Qwen3ForCausalLM and a matching tokenizer to ``directory`` and return it."""
     import torch

@@ -14,7 +14,19 @@ from typing import Any, NamedTuple
 from .. import log
 from ..settings import DISABLE, STRICT, Settings
 from .decide import decide
-from .records import APPLIED, DISABLED, FAILED, NOT_NEEDED, PENDING, UNSUPPORTED, Patch, PatchError, Status, describe, summary
+from .records import (
+    APPLIED,
+    DISABLED,
+    FAILED,
+    NOT_NEEDED,
+    PENDING,
+    UNSUPPORTED,
+    Patch,
+    PatchError,
+    Status,
+    describe,
+    summary,
+)
 
 MARK = "__liger_ddp_patch__"  # set on every replacement we install, so a second engine never wraps it again
 ORIGINAL = "__liger_ddp_patch_original__"  # and the object it replaced, so a second engine can restore it

@@ -20,7 +20,7 @@ from .trainers import TrainerSpec
 
 
 def checker(spec: TrainerSpec):
-    """The shape check of ``spec``'s fused loss: our loss must accept every setting and the forward it is called with."""
+    """The shape check of ``spec``'s fused loss: ours must accept every setting and the forward it is called with."""
 
     def check(original: Any) -> str | None:
         import torch

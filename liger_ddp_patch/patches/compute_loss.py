@@ -79,7 +79,11 @@ def shape(original: Any) -> tuple[str | None, str]:
         if why is None and name == "batch_metrics":
             owner = _owner(original)
             helper = _shape.source_of(getattr(owner, "get_batch_loss_metrics", None)) if owner else None
-            why = "get_batch_loss_metrics cannot be read" if helper is None else _shape.missing(helper, _BATCH_METRICS_LIGER)
+            why = (
+                "get_batch_loss_metrics cannot be read"
+                if helper is None
+                else _shape.missing(helper, _BATCH_METRICS_LIGER)
+            )
         if why is None:
             if name != "guarded" and "_forward_redirection(" in source:
                 why = "it already calls `_forward_redirection` itself"
@@ -147,7 +151,7 @@ def redirect_forward(wrapper: Any, inner: Any, method: Any, *args: Any, **kwargs
 
 
 def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
-    """The ``replace`` of ``spec``'s compute_loss record (``engine`` holds the armed loss swap and the run-time notes)."""
+    """The ``replace`` of ``spec``'s compute_loss record (``engine``: the armed loss swap and the run-time notes)."""
     name = spec.compute_loss_patch
 
     def replace(original: Any, engine: Any) -> Any:

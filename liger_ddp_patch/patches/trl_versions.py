@@ -16,4 +16,6 @@ RELEASES: tuple[str, ...] = (
     "1.14.0", "1.14.1", "1.14.2", "1.15.0", "1.16.0",
 )  # fmt: skip
 FIXED_IN = "1.14.0"
-AFFECTED = f">={RELEASES[0]},<{FIXED_IN}"  # before 1.9.0 the DDP wrapper crashes the Liger path; 1.9-1.13 skip the all-reduce
+AFFECTED = (
+    f">={RELEASES[0]},<{FIXED_IN}"  # before 1.9.0 the DDP wrapper crashes the Liger path; 1.9-1.13 skip the all-reduce
+)
