@@ -14,7 +14,8 @@ logits and the GEMM-only floor.
 
 Fairness: every measurement is a fresh process (``--worker``) doing one warm-up step (which also compiles) and
 then ``--reps`` timed steps (median); memory is the peak RSS over the timed steps (sampled every 2 ms) minus the
-RSS once inputs and warm-up are done.  A round runs every arm once per configuration, A, B, C, A, B, C, ...; the
+RSS once the inputs exist, before the warm-up (glibc keeps freed heap resident, so a base taken after the warm-up
+would hide most of a step's memory; for ``liger_c`` the figure includes what compiling left resident).  A round runs every arm once per configuration, A, B, C, A, B, C, ...; the
 table gives each arm's median over rounds and, for the ratios, the median of the per-round ratios (both arms of a
 ratio ran back to back in the same round, so machine drift cancels).
 """
@@ -80,10 +81,10 @@ def worker(arm, dtype, B, L, frac, reps, token_chunk_size, threads):
         torch.set_num_threads(threads)
     x = _arms.make_inputs(B, L, H, V, frac, getattr(torch, dtype))
     step = _arms.make_step(arm, x, token_chunk_size)
-    step()  # warm-up (and compile, for liger_c)
-    times = []
     gc.collect()
     base = _rss_bytes()
+    step()  # warm-up (and compile, for liger_c)
+    times = []
     with PeakSampler() as sampler:
         for _ in range(reps):
             x["h"].grad = x["w"].grad = None

@@ -32,10 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # the GPU machine has the checkout, not an installed liger_ddp_patch
 WHEEL_DIR = ROOT / ".whl"
 TRL_CACHE = Path(os.environ.get("LIGER_DDP_PATCH_TRL_DIRS", ROOT / ".cache" / "trl"))
 # (distribution, version, import name).  What the H200 image lacks (its package list: trl, liger-kernel,
@@ -108,8 +110,8 @@ def _pythonpath(*first: str) -> str:
 # ------------------------------------------------------------------------------------ (a) the loss head
 
 
-def part_a(device: str, size: dict, reps: int) -> list[dict]:
-    """Runs inside a process with TRL 1.14 first on sys.path."""
+def part_a(device: str, size: dict, reps: int, out_json: Path) -> list[dict]:
+    """Runs inside a process with TRL 1.14 first on sys.path; rewrites ``out_json`` after every arm."""
     import torch
 
     sys.path[:0] = [str(HERE), str(ROOT)]
@@ -166,6 +168,7 @@ def part_a(device: str, size: dict, reps: int) -> list[dict]:
                 if cuda:
                     torch.cuda.empty_cache()
             rows.append(row)
+            out_json.write_text(json.dumps(rows))
             print(json.dumps(row), file=sys.stderr, flush=True)
         del x, ref
     return rows
@@ -177,11 +180,17 @@ def run_part_a(args, paths, out: Path) -> list[dict]:
     if args.cpu_smoke:
         cmd.append("--cpu-smoke")
     env = dict(os.environ, PYTHONPATH=_pythonpath(paths["trl-1.14.0"], paths["common"]), PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_a)
-    (out / "part_a.log").write_text(proc.stdout + proc.stderr)
-    if not result.exists():
-        return [dict(arm="-", error=f"part (a) exited {proc.returncode}: {proc.stderr[-1500:]}")]
-    return json.loads(result.read_text())
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_a)
+        log, why = proc.stdout + proc.stderr, f"exited {proc.returncode}"
+    except subprocess.TimeoutExpired as exc:
+        log, why = f"{exc.stdout or ''}{exc.stderr or ''}", f"timed out after {args.timeout_a:.0f} s"
+        log = log.decode(errors="replace") if isinstance(log, bytes) else log
+    (out / "part_a.log").write_text(log)
+    rows = json.loads(result.read_text()) if result.exists() else []
+    if len(rows) < 2 * len(ARMS_A):
+        rows.append(dict(arm="-", error=f"part (a) {why}: {log[-1500:]}"))
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------- (b) DDP
@@ -228,16 +237,23 @@ def run_part_b(args, paths, out: Path) -> list[dict]:
     from liger_ddp_patch.demo.tiny import REAL_VOCAB, build
 
     assets = build(out / "tiny", vocab_size=64 if args.cpu_smoke else REAL_VOCAB)
+    runs = [(version, patched) for version in DDP_TRL for patched in (False, True)]
+
+    def one(run):
+        version, patched = run
+        run_dir = out / f"ddp-{version}-{'patched' if patched else 'unpatched'}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return launch_two_nodes(paths[f"trl-{version}"], paths["common"], assets, patched, args.device, run_dir,
+                                args.timeout_b)
+
+    # 16 cores on the GPU machine: the four launches at once; 2 cores on CI: one after the other
+    with ThreadPoolExecutor(max_workers=args.jobs or (1 if args.cpu_smoke else len(runs))) as pool:
+        results = list(pool.map(one, runs))
     rows = []
-    for version in DDP_TRL:
-        for patched in (False, True):
-            run_dir = out / f"ddp-{version}-{'patched' if patched else 'unpatched'}"
-            run_dir.mkdir(parents=True, exist_ok=True)
-            res = launch_two_nodes(paths[f"trl-{version}"], paths["common"], assets, patched, args.device, run_dir,
-                                   args.timeout_b)
-            for r in res.get("results", [{"trainer": "dpo,kto", "error": res.get("error")}]):
-                rows.append(dict(trl=res.get("trl", version), liger=res.get("liger_kernel"),
-                                 run="patched" if patched else "unpatched", **r))
+    for (version, patched), res in zip(runs, results):
+        for r in res.get("results", [{"trainer": "dpo,kto", "error": res.get("error")}]):
+            rows.append(dict(trl=res.get("trl", version), liger=res.get("liger_kernel"),
+                             run="patched" if patched else "unpatched", **r))
     return rows
 
 
@@ -279,8 +295,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for gpu_check.json and logs (default: a temporary folder)")
     ap.add_argument("--parts", default="a,b")
     ap.add_argument("--reps", type=int, default=None, help="timed steps per arm (default 5 on GPU, 2 on CPU)")
-    ap.add_argument("--timeout-a", type=float, default=360)
-    ap.add_argument("--timeout-b", type=float, default=300)
+    ap.add_argument("--timeout-a", type=float, default=None, help="seconds for part (a) (GPU 240, CPU 900)")
+    ap.add_argument("--timeout-b", type=float, default=None, help="seconds per DDP launch (GPU 240, CPU 900)")
+    ap.add_argument("--jobs", type=int, default=None, help="DDP launches at once (default: 4 on GPU, 1 on CPU)")
     ap.add_argument("--print-wheels", action="store_true", help="the wheels gpu_wheels.sh downloads, one per line")
     ap.add_argument("--part-a", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
@@ -290,9 +307,11 @@ def main(argv=None) -> int:
         return 0
     args.device = args.device or ("cpu" if args.cpu_smoke else "cuda")
     args.reps = args.reps or (2 if args.cpu_smoke else 5)
+    args.timeout_a = args.timeout_a or (900 if args.cpu_smoke else 240)  # GPU: (b) + (a) inside 8 minutes
+    args.timeout_b = args.timeout_b or (900 if args.cpu_smoke else 240)
     size = SMOKE_SIZE if args.cpu_smoke else GPU_SIZE
     if args.part_a:
-        Path(args.part_a).write_text(json.dumps(part_a(args.device, size, args.reps)))
+        part_a(args.device, size, args.reps, Path(args.part_a))
         return 0
 
     import torch
