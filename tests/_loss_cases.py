@@ -40,8 +40,18 @@ def make_target(batch, seq_len, vocab, *, fully_ignored_row=True, seed=0, ignore
     return target
 
 
-def make_inputs(*, batch=2 * B_PAIRS, seq_len=L, hidden=H, vocab=V, dtype=torch.float32, bias=True, seed=0,
-                fully_ignored_row=True, ignore_index=IGNORE):
+def make_inputs(
+    *,
+    batch=2 * B_PAIRS,
+    seq_len=L,
+    hidden=H,
+    vocab=V,
+    dtype=torch.float32,
+    bias=True,
+    seed=0,
+    fully_ignored_row=True,
+    ignore_index=IGNORE,
+):
     g = torch.Generator().manual_seed(seed)
 
     def rn(*shape, scale=1.0):
@@ -55,8 +65,9 @@ def make_inputs(*, batch=2 * B_PAIRS, seq_len=L, hidden=H, vocab=V, dtype=torch.
         ref_weight=rn(vocab, hidden, scale=0.3),
         ref_bias=rn(vocab, scale=0.5) if bias else None,
     )
-    t["target"] = make_target(batch, seq_len, vocab, fully_ignored_row=fully_ignored_row, seed=seed,
-                              ignore_index=ignore_index)
+    t["target"] = make_target(
+        batch, seq_len, vocab, fully_ignored_row=fully_ignored_row, seed=seed, ignore_index=ignore_index
+    )
     return t
 
 

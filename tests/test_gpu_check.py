@@ -22,8 +22,13 @@ import gpu_check  # noqa: E402
 @pytest.mark.ddp
 def test_cpu_smoke_runs_both_parts(tmp_path):
     """(a) every arm runs and is close to the fp32 truth; (b) the 2-node DDP probe shows the bug and the fix."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=1500, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "(a) DPO head loss" in proc.stdout and "(b) DDP" in proc.stdout, proc.stdout
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -68,8 +73,12 @@ def test_install_puts_missing_packages_in_common_and_each_trl_in_its_own_folder(
     assert sorted(paths["installed"]) == ["liger_ddp_fakepkg-0.1-py3-none-any.whl", "trl-9.9.9-py3-none-any.whl"]
     assert (Path(paths["common"]) / "liger_ddp_fakepkg" / "__init__.py").exists()
     assert (Path(paths["trl-9.9.9"]) / "trl" / "__init__.py").exists()
-    probe = subprocess.run([sys.executable, "-c", "import liger_ddp_fakepkg as m; print(m.VALUE)"], text=True,
-                           capture_output=True, env=dict(os.environ, PYTHONPATH=paths["common"]))
+    probe = subprocess.run(
+        [sys.executable, "-c", "import liger_ddp_fakepkg as m; print(m.VALUE)"],
+        text=True,
+        capture_output=True,
+        env=dict(os.environ, PYTHONPATH=paths["common"]),
+    )
     assert probe.stdout.strip() == "42", probe.stderr
     with pytest.raises(SystemExit, match="no wheel"):
         gpu_check.install(wheels, tmp_path / "site2", [("liger-ddp-absent", "1.0", "liger_ddp_absent")])

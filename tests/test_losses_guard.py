@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 import torch
-
 from _loss_cases import leaf_copies, load_reference, make_inputs
+
 from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,8 +66,9 @@ def forbid_functorch_and_compile(monkeypatch):
 
 def _dpo_step(cls, **kw):
     x = leaf_copies(make_inputs(seed=1))
-    loss, metrics = cls(**kw)(x["weight"], x["hidden"], x["target"], x["bias"], x["ref_hidden"], x["ref_weight"],
-                              x["ref_bias"])
+    loss, metrics = cls(**kw)(
+        x["weight"], x["hidden"], x["target"], x["bias"], x["ref_hidden"], x["ref_weight"], x["ref_bias"]
+    )
     loss.backward()
     return loss, x
 
@@ -75,9 +76,15 @@ def _dpo_step(cls, **kw):
 def _kto_step(cls, **kw):
     x = leaf_copies(make_inputs(batch=4, seed=2))
     loss, metrics = cls(**kw)(
-        _input=x["hidden"], lin_weight=x["weight"], target=x["target"], bias=x["bias"],
-        preference_labels=torch.tensor([True, False, True, False]), ref_input=x["ref_hidden"],
-        ref_weight=x["ref_weight"], ref_bias=x["ref_bias"], kl=torch.tensor(0.2),
+        _input=x["hidden"],
+        lin_weight=x["weight"],
+        target=x["target"],
+        bias=x["bias"],
+        preference_labels=torch.tensor([True, False, True, False]),
+        ref_input=x["ref_hidden"],
+        ref_weight=x["ref_weight"],
+        ref_bias=x["ref_bias"],
+        kl=torch.tensor(0.2),
     )
     loss.backward()
     return loss, x
@@ -140,8 +147,9 @@ def _run_py(code, env_extra=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_import_does_not_pull_trl_or_liger():
@@ -220,12 +228,16 @@ def _call_dpo(cls, x, **overrides):
     args = dict(ref_input=x["ref_hidden"], ref_weight=x["ref_weight"], ref_bias=x["ref_bias"])
     args.update(overrides)
     return cls(**({"compiled": False} if cls is not ChunkedDPOLoss else {}))(
-        x["weight"], x["hidden"], x["target"], x["bias"], args["ref_input"], args["ref_weight"], args["ref_bias"])
+        x["weight"], x["hidden"], x["target"], x["bias"], args["ref_input"], args["ref_weight"], args["ref_bias"]
+    )
 
 
 def _call_kto(cls, x, **overrides):
-    args = dict(preference_labels=torch.tensor([True, False, True, False]), ref_input=x["ref_hidden"],
-                ref_weight=x["ref_weight"])
+    args = dict(
+        preference_labels=torch.tensor([True, False, True, False]),
+        ref_input=x["ref_hidden"],
+        ref_weight=x["ref_weight"],
+    )
     args.update(overrides)
     kw = {"compiled": False} if cls is not ChunkedKTOLoss else {}
     return cls(use_ref_model=True, **kw)(_input=x["hidden"], lin_weight=x["weight"], target=x["target"], **args)

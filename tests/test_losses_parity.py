@@ -9,11 +9,11 @@ References (each part skips when its reference is not importable):
   * a materialised-logits reference written here (always runs).
 
 fp32 tolerance: rtol = atol = 1e-5, atol scaled by the reference tensor's magnitude when that exceeds 1 (see
-``_loss_cases.close``; only sppo_hard's O(10) gradients need it).  Both sides evaluate the same fp32 math and differ only in reduction order
-(chunked GEMMs, in-place log-sum-exp vs ``log_softmax``, ``index_add`` vs masked row sums, one fp32 weight-grad
-accumulator vs per-chunk ``torch.func`` grads); with the O(1)-O(10) magnitudes used here those differences are
-~1e-7-1e-6 absolute, so 1e-5 is tight enough to catch any formula/normalisation/masking error (which show up at
->= 1e-3) while not flaking on summation order.
+``_loss_cases.close``; only sppo_hard's O(10) gradients need it). Both sides evaluate the same fp32 math and differ
+only in reduction order (chunked GEMMs, in-place log-sum-exp vs ``log_softmax``, ``index_add`` vs masked row sums,
+one fp32 weight-grad accumulator vs per-chunk ``torch.func`` grads); with the O(1)-O(10) magnitudes used here those
+differences are ~1e-7-1e-6 absolute, so 1e-5 is tight enough to catch any formula/normalisation/masking error (which
+show up at >= 1e-3) while not flaking on summation order.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import zlib
 
 import pytest
 import torch
-
 from _loss_cases import DPO_LOSS_TYPES, IGNORE, close, leaf_copies, load_reference, make_inputs, make_target
+
 from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss
 from liger_ddp_patch.losses._core import token_logprobs
 
@@ -36,10 +36,23 @@ RTOL = ATOL = 1e-5
 TINY_CHUNK = 4  # < L=13: every sequence is split across token chunks, chunks straddle rows
 
 REFS = ["liger", "trl113"]
-DPO_METRICS = ("chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits_mean", "nll_loss",
-               "chosen_rewards", "rejected_rewards")
-KTO_METRICS = ("chosen_logps_sum", "rejected_logps_sum", "chosen_logits_sum", "rejected_logits_sum",
-               "chosen_rewards_sum", "rejected_rewards_sum")
+DPO_METRICS = (
+    "chosen_logps",
+    "rejected_logps",
+    "chosen_logits_mean",
+    "rejected_logits_mean",
+    "nll_loss",
+    "chosen_rewards",
+    "rejected_rewards",
+)
+KTO_METRICS = (
+    "chosen_logps_sum",
+    "rejected_logps_sum",
+    "chosen_logits_sum",
+    "rejected_logits_sum",
+    "chosen_rewards_sum",
+    "rejected_rewards_sum",
+)
 
 MAX_ERR: dict = {}  # (reference, quantity) -> max |ours - ref| seen; printed by benchmarks/loss_errors.py
 
@@ -75,8 +88,9 @@ def _compare(tag, names, ours, ref, rtol=RTOL, atol=ATOL):
 def _run_dpo(cls, kwargs, inp, scale=1.0):
     x = leaf_copies(inp)
     loss_fn = cls(**kwargs)
-    loss, metrics = loss_fn(x["weight"], x["hidden"], x["target"], x["bias"], x["ref_hidden"], x["ref_weight"],
-                            x["ref_bias"])
+    loss, metrics = loss_fn(
+        x["weight"], x["hidden"], x["target"], x["bias"], x["ref_hidden"], x["ref_weight"], x["ref_bias"]
+    )
     (loss * scale).backward()
     grads = (x["hidden"].grad, x["weight"].grad, None if x["bias"] is None else x["bias"].grad)
     return loss, metrics, grads
@@ -85,8 +99,15 @@ def _run_dpo(cls, kwargs, inp, scale=1.0):
 def _run_kto(cls, kwargs, inp, labels, kl):
     x = leaf_copies(inp)
     loss, metrics = cls(**kwargs)(
-        _input=x["hidden"], lin_weight=x["weight"], target=x["target"], bias=x["bias"], preference_labels=labels,
-        ref_input=x["ref_hidden"], ref_weight=x["ref_weight"], ref_bias=x["ref_bias"], kl=kl,
+        _input=x["hidden"],
+        lin_weight=x["weight"],
+        target=x["target"],
+        bias=x["bias"],
+        preference_labels=labels,
+        ref_input=x["ref_hidden"],
+        ref_weight=x["ref_weight"],
+        ref_bias=x["ref_bias"],
+        kl=kl,
     )
     loss.backward()
     grads = (x["hidden"].grad, x["weight"].grad, None if x["bias"] is None else x["bias"].grad)
@@ -126,7 +147,9 @@ def _check_dpo(which, kwargs, inp, token_chunk_size=TINY_CHUNK, scale=1.0, tag=N
 def test_dpo_parity(loss_type, bias, use_ref, mode, which):
     avg = mode == "avg_nll"
     # average_log_prob on a fully-ignored row is 0/0 = NaN on both sides -> separate test below
-    inp = make_inputs(bias=bias, fully_ignored_row=not avg, seed=zlib.crc32(f"{loss_type}{bias}{use_ref}".encode()) % 1000)
+    inp = make_inputs(
+        bias=bias, fully_ignored_row=not avg, seed=zlib.crc32(f"{loss_type}{bias}{use_ref}".encode()) % 1000
+    )
     kwargs = _dpo_kwargs(loss_type, use_ref_model=use_ref, average_log_prob=avg, compute_nll_loss=avg, alpha=0.7)
     _check_dpo(which, kwargs, inp)
 
@@ -170,12 +193,14 @@ def test_dpo_only_weight_requires_grad_and_no_grad_mode():
     res = []
     for cls, extra in ((ChunkedDPOLoss, dict(token_chunk_size=TINY_CHUNK)), (ref_cls, dict(compiled=False))):
         w = inp["weight"].clone().requires_grad_(True)
-        loss, metrics = cls(**kwargs, **extra)(w, inp["hidden"], inp["target"], inp["bias"], inp["ref_hidden"],
-                                               inp["ref_weight"], inp["ref_bias"])
+        loss, metrics = cls(**kwargs, **extra)(
+            w, inp["hidden"], inp["target"], inp["bias"], inp["ref_hidden"], inp["ref_weight"], inp["ref_bias"]
+        )
         loss.backward()
         with torch.no_grad():
-            loss_ng, metrics_ng = cls(**kwargs, **extra)(w, inp["hidden"], inp["target"], inp["bias"],
-                                                         inp["ref_hidden"], inp["ref_weight"], inp["ref_bias"])
+            loss_ng, metrics_ng = cls(**kwargs, **extra)(
+                w, inp["hidden"], inp["target"], inp["bias"], inp["ref_hidden"], inp["ref_weight"], inp["ref_bias"]
+            )
         res.append((loss, metrics, w.grad, loss_ng, metrics_ng))
     (a, b) = res
     _compare("dpo-liger-wonly", ("loss", "grad_weight", "loss_nograd"), (a[0], a[2], a[3]), (b[0], b[2], b[3]))
@@ -287,8 +312,14 @@ def test_core_against_materialised_logits(chunk, dtype):
 
     assert torch.equal(counts, mask.sum(1))
     _compare("core", ("token_logp",), (logp,), (tok[mask],), rtol=1e-5, atol=1e-5)
-    _compare("core", ("grad_hidden", "grad_weight", "grad_bias"), (h1.grad, w1.grad, b1.grad),
-             (h2.grad, w2.grad, b2.grad), rtol=1e-5, atol=1e-5)
+    _compare(
+        "core",
+        ("grad_hidden", "grad_weight", "grad_bias"),
+        (h1.grad, w1.grad, b1.grad),
+        (h2.grad, w2.grad, b2.grad),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     assert torch.all(h1.grad[~mask] == 0)
 
 
@@ -307,10 +338,18 @@ def test_trl_1_13_reference_cases():
         if os.environ.get("CI"):
             pytest.fail(f"{trl113} missing: CI runs `bash .ci/trl_matrix.sh --prepare-only` before pytest")
         pytest.skip(f"{trl113} not unpacked (bash .ci/trl_matrix.sh --prepare-only)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (trl113, REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(p for p in (trl113, REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+    )
     files = [os.path.join(REPO_ROOT, "tests", f) for f in ("test_losses_parity.py", "test_losses_guard.py")]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "trl113", *files],
-                          capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "trl113", *files],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=1800,
+    )
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     passed = re.search(r"(\d+) passed", summary)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _loss_cases import leaf_copies, load_reference
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _loss_cases import leaf_copies, load_reference
-from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss
-from liger_ddp_patch.losses import _core
+from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss, _core
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -51,8 +50,9 @@ def _dpo_inputs(dtype, batch=4, seq_len=24, hidden=96, vocab=300, w_scale=0.3, s
 
 
 def _dpo(cls, x, **kw):
-    loss, metrics = cls(**kw)(x["weight"], x["hidden"], x["target"], x["bias"], x["ref_hidden"], x["ref_weight"],
-                              x["ref_bias"])
+    loss, metrics = cls(**kw)(
+        x["weight"], x["hidden"], x["target"], x["bias"], x["ref_hidden"], x["ref_weight"], x["ref_bias"]
+    )
     return loss, metrics
 
 
@@ -112,13 +112,16 @@ def test_autocast_is_the_same_as_casting_by_hand(dtype):
     x = _rounded(_dpo_inputs(torch.float32, w_scale=1.5), dtype)  # logits ~ N(0, 10^2)
     kw = dict(token_chunk_size=16, compute_nll_loss=True)
     auto = _loss_and_grads(ChunkedDPOLoss, x, autocast_dtype=dtype, **kw)
-    hand = _loss_and_grads(ChunkedDPOLoss, {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v)
-                                            for k, v in x.items()}, **kw)
+    hand = _loss_and_grads(
+        ChunkedDPOLoss,
+        {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()},
+        **kw,
+    )
     for name, a, b in zip(NAMES, auto, hand):
         err = (a.double() - b.double()).abs().max().item()
         scale = b.double().abs().max().item()
         # the hand-cast gradients are rounded to `dtype` at the end, the autocast ones are fp32: allow that rounding
-        assert err <= 2 ** -7 * scale + 1e-6, f"{name}: autocast vs hand-cast differ by {err:.3g} (scale {scale:.3g})"
+        assert err <= 2**-7 * scale + 1e-6, f"{name}: autocast vs hand-cast differ by {err:.3g} (scale {scale:.3g})"
 
 
 def _max_err(a, b):
@@ -153,17 +156,22 @@ def test_autocast_kto_forward_backward_consistent():
         ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
         with ctx:
             loss, _ = ChunkedKTOLoss(use_ref_model=True, token_chunk_size=16)(
-                _input=inp["hidden"], lin_weight=inp["weight"], target=inp["target"], bias=inp["bias"],
-                preference_labels=labels, ref_input=inp["ref_hidden"], ref_weight=inp["ref_weight"],
-                ref_bias=inp["ref_bias"])
+                _input=inp["hidden"],
+                lin_weight=inp["weight"],
+                target=inp["target"],
+                bias=inp["bias"],
+                preference_labels=labels,
+                ref_input=inp["ref_hidden"],
+                ref_weight=inp["ref_weight"],
+                ref_bias=inp["ref_bias"],
+            )
         loss.backward()
         return loss, inp["hidden"].grad, inp["weight"].grad
 
     auto = run(x, True)
-    hand = run({k: (v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()},
-               False)
+    hand = run({k: (v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()}, False)
     for a, b in zip(auto, hand):
-        assert _max_err(a, b) <= 2 ** -7 * b.double().abs().max().item() + 1e-6
+        assert _max_err(a, b) <= 2**-7 * b.double().abs().max().item() + 1e-6
 
 
 # -------------------------------------------------------------------------------------------- chunk sizing
