@@ -34,9 +34,13 @@ def make_inputs(B, L, H, V, prompt_frac, dtype=torch.float32, device="cpu", seed
     def rn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
 
-    x = dict(h=rn(B, L, H).requires_grad_(True), w=rn(V, H, scale=w_scale).requires_grad_(True),
-             rh=rn(B, L, H), rw=rn(V, H, scale=w_scale),
-             t=torch.randint(0, V, (B, L), generator=g, device=device))
+    x = dict(
+        h=rn(B, L, H).requires_grad_(True),
+        w=rn(V, H, scale=w_scale).requires_grad_(True),
+        rh=rn(B, L, H),
+        rw=rn(V, H, scale=w_scale),
+        t=torch.randint(0, V, (B, L), generator=g, device=device),
+    )
     x["t"][:, : int(prompt_frac * L)] = IGNORE
     return x
 

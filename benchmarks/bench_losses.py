@@ -12,12 +12,13 @@ inductor works on this CPU), TRL 1.14's chunked log-prob path (``_ChunkedLogProb
 of an unpacked 1.14.0 wheel in ``$LIGER_DDP_PATCH_TRL_DIRS/1.14.0``, default .cache/trl/1.14.0), materialised
 logits and the GEMM-only floor.
 
-Fairness: every measurement is a fresh process (``--worker``) doing one warm-up step (which also compiles) and
-then ``--reps`` timed steps (median); memory is the peak RSS over the timed steps (sampled every 2 ms) minus the
-RSS once the inputs exist, before the warm-up (glibc keeps freed heap resident, so a base taken after the warm-up
-would hide most of a step's memory; for ``liger_c`` the figure includes what compiling left resident).  A round runs every arm once per configuration, A, B, C, A, B, C, ...; the
-table gives each arm's median over rounds and, for the ratios, the median of the per-round ratios (both arms of a
-ratio ran back to back in the same round, so machine drift cancels).
+Fairness: every measurement is a fresh process (``--worker``) doing one warm-up step (which also compiles) and then
+``--reps`` timed steps (median); memory is the peak RSS over the timed steps (sampled every 2 ms) minus the RSS once
+the inputs exist, before the warm-up (glibc keeps freed heap resident, so a base taken after the warm-up would hide
+most of a step's memory; for ``liger_c`` the figure includes what compiling left resident). A round runs every arm
+once per configuration, A, B, C, A, B, C, ...; the table gives each arm's median over rounds and, for the ratios,
+the median of the per-round ratios (both arms of a ratio ran back to back in the same round, so machine drift
+cancels).
 """
 
 from __future__ import annotations
@@ -91,15 +92,38 @@ def worker(arm, dtype, B, L, frac, reps, token_chunk_size, threads):
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-    print(json.dumps(dict(arm=arm, dtype=dtype, B=B, L=L, frac=frac, time=statistics.median(times), times=times,
-                          mem_mb=(sampler.peak - base) / 2**20, tokens=int((x["t"] != -100).sum()),
-                          threads=torch.get_num_threads())))
+    print(
+        json.dumps(
+            dict(
+                arm=arm,
+                dtype=dtype,
+                B=B,
+                L=L,
+                frac=frac,
+                time=statistics.median(times),
+                times=times,
+                mem_mb=(sampler.peak - base) / 2**20,
+                tokens=int((x["t"] != -100).sum()),
+                threads=torch.get_num_threads(),
+            )
+        )
+    )
 
 
 def run_worker(arm, cfg, args):
     dtype, B, L, frac = cfg
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", arm, dtype, str(B), str(L), str(frac),
-           "--reps", str(args.reps)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        arm,
+        dtype,
+        str(B),
+        str(L),
+        str(frac),
+        "--reps",
+        str(args.reps),
+    ]
     if args.token_chunk_size:
         cmd += ["--token-chunk-size", str(args.token_chunk_size)]
     if args.threads:
@@ -112,8 +136,11 @@ def run_worker(arm, cfg, args):
         print(f"  [{arm} {cfg}] failed:\n{r.stderr[-1500:]}", file=sys.stderr)
         return None
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    print(f"  {arm:8s} {dtype:8s} B={B} L={L:5d} prompt={frac:.0%}: {res['time']:.2f} s  {res['mem_mb']:.0f} MB",
-          file=sys.stderr, flush=True)
+    print(
+        f"  {arm:8s} {dtype:8s} B={B} L={L:5d} prompt={frac:.0%}: {res['time']:.2f} s  {res['mem_mb']:.0f} MB",
+        file=sys.stderr,
+        flush=True,
+    )
     return res
 
 
@@ -137,16 +164,26 @@ def table(configs, rounds):
         dtype, B, L, frac = cfg
         runs = [r.get(cfg, {}) for r in rounds]
 
-        def med(arm, key):
+        def med(arm, key, runs=runs):
             return _med([run[arm][key] if run.get(arm) else None for run in runs])
 
-        def ratio(peer, key):
-            return _med([run["ours"][key] / run[peer][key] if run.get("ours") and run.get(peer) and run[peer][key]
-                         else None for run in runs])
+        def ratio(peer, key, runs=runs):
+            return _med(
+                [
+                    run["ours"][key] / run[peer][key] if run.get("ours") and run.get(peer) and run[peer][key] else None
+                    for run in runs
+                ]
+            )
 
         tokens = next((run[a]["tokens"] for run in runs for a in run if run.get(a)), None)
-        row = [{"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype), f"{frac:.0%}", f"{B} x {L}", fmt(tokens, "d"),
-               fmt(med("ours", "time"), ".2f"), fmt(med("ours", "mem_mb"), ".0f")]
+        row = [
+            {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype),
+            f"{frac:.0%}",
+            f"{B} x {L}",
+            fmt(tokens, "d"),
+            fmt(med("ours", "time"), ".2f"),
+            fmt(med("ours", "mem_mb"), ".0f"),
+        ]
         for p in PEERS:
             row += [fmt(med(p, "time"), ".2f")] + ([fmt(med(p, "mem_mb"), ".0f")] if p != "gemm" else [])
         row += [fmt(ratio(p, "time"), ".2f") for p in PEERS]
@@ -163,7 +200,7 @@ def main():
     ap.add_argument("--reps", type=int, default=1, help="timed steps per process (after one warm-up)")
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--prompt-fracs", default=",".join(map(str, FRACS)))
-    ap.add_argument("--sizes", default=",".join(f"{b}x{l}" for b, l in SIZES), help="e.g. 4x512,2x2048")
+    ap.add_argument("--sizes", default=",".join(f"{b}x{n}" for b, n in SIZES), help="e.g. 4x512,2x2048")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--token-chunk-size", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None)
@@ -182,9 +219,12 @@ def main():
     import torch
 
     started = time.time()
-    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}  {os.cpu_count()} CPUs  "
-          f"torch {torch.__version__}  threads {args.threads or torch.get_num_threads()}  H={H} V={V}  "
-          f"rounds={args.rounds} reps={args.reps}", file=sys.stderr)
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}  {os.cpu_count()} CPUs  "
+        f"torch {torch.__version__}  threads {args.threads or torch.get_num_threads()}  H={H} V={V}  "
+        f"rounds={args.rounds} reps={args.reps}",
+        file=sys.stderr,
+    )
     rounds = []
     for r in range(args.rounds):
         print(f"round {r + 1}/{args.rounds}", file=sys.stderr)

@@ -83,8 +83,23 @@ def install(wheel_dir: Path, site: Path, wheels=WHEELS) -> dict:
         wheel = _wheel_file(wheel_dir, dist, version)
         if wheel is None:
             raise SystemExit(f"{dist}=={version}: no wheel in {wheel_dir} (run bash benchmarks/gpu_wheels.sh)")
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--disable-pip-version-check", "--target", str(target), str(wheel)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--no-compile",
+                "--disable-pip-version-check",
+                "--target",
+                str(target),
+                str(wheel),
+            ],
+            check=True,
+        )
         paths["installed"].append(wheel.name)
     return paths
 
@@ -116,6 +131,7 @@ def part_a(device: str, size: dict, reps: int, out_json: Path) -> list[dict]:
 
     sys.path[:0] = [str(HERE), str(ROOT)]
     import _arms
+
     from liger_ddp_patch.losses import _core
 
     cuda = device == "cuda"
@@ -135,8 +151,10 @@ def part_a(device: str, size: dict, reps: int, out_json: Path) -> list[dict]:
 
     rows = []
     V, H, B, L = size["V"], size["H"], size["B"], size["L"]
-    info = dict(fp32_output_gemm=_core.fp32_output_gemm(device, torch.bfloat16),
-                default_chunk=_core.resolve_token_chunk_size(None, V, device, torch.bfloat16))
+    info = dict(
+        fp32_output_gemm=_core.fp32_output_gemm(device, torch.bfloat16),
+        default_chunk=_core.resolve_token_chunk_size(None, V, device, torch.bfloat16),
+    )
     for frac in (0.5, 0.0):
         x = _arms.make_inputs(B, L, H, V, frac, torch.bfloat16, device)
         ref = _arms.reference(x)
@@ -208,16 +226,41 @@ def launch_two_nodes(trl_dir: str, common: str, assets: Path, patched: bool, dev
 
     result = out / "result.json"
     port = _free_port()
-    env = dict(os.environ, PROBE_PATCH="before" if patched else "none", OMP_NUM_THREADS="1",
-               PYTHONPATH=_pythonpath(trl_dir, common))
+    env = dict(
+        os.environ,
+        PROBE_PATCH="before" if patched else "none",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=_pythonpath(trl_dir, common),
+    )
     if not patched:
         env["LIGER_DDP_PATCH_DISABLE"] = "1"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1",
-             "--master_addr=127.0.0.1", f"--master_port={port}", str(PROBE), "--assets", str(assets),
-             "--trainers", "dpo,kto", "--out", str(result), "--device", device],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out)  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node_rank={rank}",
+                "--nproc_per_node=1",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                str(PROBE),
+                "--assets",
+                str(assets),
+                "--trainers",
+                "dpo,kto",
+                "--out",
+                str(result),
+                "--device",
+                device,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=out,
+        )  # fmt: skip
         for rank in (0, 1)
     ]
     logs = []
@@ -243,8 +286,9 @@ def run_part_b(args, paths, out: Path) -> list[dict]:
         version, patched = run
         run_dir = out / f"ddp-{version}-{'patched' if patched else 'unpatched'}"
         run_dir.mkdir(parents=True, exist_ok=True)
-        return launch_two_nodes(paths[f"trl-{version}"], paths["common"], assets, patched, args.device, run_dir,
-                                args.timeout_b)
+        return launch_two_nodes(
+            paths[f"trl-{version}"], paths["common"], assets, patched, args.device, run_dir, args.timeout_b
+        )
 
     # 16 cores on the GPU machine: the four launches at once; 2 cores on CI: one after the other
     with ThreadPoolExecutor(max_workers=args.jobs or (1 if args.cpu_smoke else len(runs))) as pool:
@@ -252,8 +296,14 @@ def run_part_b(args, paths, out: Path) -> list[dict]:
     rows = []
     for (version, patched), res in zip(runs, results):
         for r in res.get("results", [{"trainer": "dpo,kto", "error": res.get("error")}]):
-            rows.append(dict(trl=res.get("trl", version), liger=res.get("liger_kernel"),
-                             run="patched" if patched else "unpatched", **r))
+            rows.append(
+                dict(
+                    trl=res.get("trl", version),
+                    liger=res.get("liger_kernel"),
+                    run="patched" if patched else "unpatched",
+                    **r,
+                )
+            )
     return rows
 
 
@@ -262,10 +312,12 @@ def run_part_b(args, paths, out: Path) -> list[dict]:
 
 def render(info: dict, rows_a: list[dict], rows_b: list[dict]) -> str:
     s = info["size"]
-    lines = [f"(a) DPO head loss, bf16, V={s['V']:,} H={s['H']:,} B={s['B']} L={s['L']:,} on {info['device_name']} "
-             f"(torch {info['torch']}; ours: default chunk {rows_a[0].get('default_chunk', '?')}, "
-             f"fp32-output GEMM {rows_a[0].get('fp32_output_gemm', '?')})",
-             f"{'prompt':>6} {'arm':8} {'median ms':>10} {'peak MiB':>9} {'err loss':>9} {'err g_h':>9} {'err g_w':>9}"]
+    lines = [
+        f"(a) DPO head loss, bf16, V={s['V']:,} H={s['H']:,} B={s['B']} L={s['L']:,} on {info['device_name']} "
+        f"(torch {info['torch']}; ours: default chunk {rows_a[0].get('default_chunk', '?')}, "
+        f"fp32-output GEMM {rows_a[0].get('fp32_output_gemm', '?')})",
+        f"{'prompt':>6} {'arm':8} {'median ms':>10} {'peak MiB':>9} {'err loss':>9} {'err g_h':>9} {'err g_w':>9}",
+    ]
     for r in rows_a:
         if not r:
             continue
@@ -274,18 +326,25 @@ def render(info: dict, rows_a: list[dict], rows_b: list[dict]) -> str:
             continue
         e = r["err"]
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
-        lines.append(f"{r['prompt']:>6.0%} {r['arm']:8} {r['ms']:>10.1f} {peak:>9} {e['loss']:>9.1e} "
-                     f"{e['grad_h']:>9.1e} {e['grad_w']:>9.1e}")
-    lines += ["", f"(b) DDP, two one-process nodes on loopback, {info['ddp_device']}, gloo, tiny Qwen3 "
-                  f"(vocab {info['ddp_vocab']:,}), one DPO and one KTO step with Liger",
-              f"{'TRL':8} {'trainer':7} {'run':10} {'params':>6} {'differing':>9} {'max|dgrad|':>11}  loss module"]
+        lines.append(
+            f"{r['prompt']:>6.0%} {r['arm']:8} {r['ms']:>10.1f} {peak:>9} {e['loss']:>9.1e} "
+            f"{e['grad_h']:>9.1e} {e['grad_w']:>9.1e}"
+        )
+    lines += [
+        "",
+        f"(b) DDP, two one-process nodes on loopback, {info['ddp_device']}, gloo, tiny Qwen3 "
+        f"(vocab {info['ddp_vocab']:,}), one DPO and one KTO step with Liger",
+        f"{'TRL':8} {'trainer':7} {'run':10} {'params':>6} {'differing':>9} {'max|dgrad|':>11}  loss module",
+    ]
     for r in rows_b:
         head = f"{r['trl']:8} {r['trainer']:7} {r['run']:10}"
         if r.get("error"):
             lines.append(f"{head} crashed: {r['error'].splitlines()[0][:80]}")
         else:
-            lines.append(f"{head} {r.get('params', '-'):>6} {r.get('differing', '-'):>9} "
-                         f"{r.get('max_abs_diff', float('nan')):>11.3e}  {r.get('loss_class')}")
+            lines.append(
+                f"{head} {r.get('params', '-'):>6} {r.get('differing', '-'):>9} "
+                f"{r.get('max_abs_diff', float('nan')):>11.3e}  {r.get('loss_class')}"
+            )
     return "\n".join(lines)
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Optional
 
 import torch
 
@@ -73,7 +72,7 @@ def logits_budget_bytes(device=None) -> int:
     return LOGITS_BUDGET_BYTES["cpu" if kind == "cpu" else "accelerator"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fp32_output_gemm(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch.addmm(fp32_acc, a, b, out_dtype=torch.float32, out=fp32_acc)`` works for half ``a, b`` here.
 
@@ -92,7 +91,7 @@ def fp32_output_gemm(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
     try:
         if torch.is_autocast_enabled(device_type):
             return torch.get_autocast_dtype(device_type)
@@ -120,11 +119,11 @@ def _math_dtype(cdtype: torch.dtype) -> torch.dtype:
 
 
 def resolve_token_chunk_size(
-    token_chunk_size: Optional[int],
+    token_chunk_size: int | None,
     vocab_size: int,
     device=None,
     compute_dtype: torch.dtype = torch.float32,
-    budget_bytes: Optional[int] = None,
+    budget_bytes: int | None = None,
 ) -> int:
     """Number of (non-ignored) tokens projected at once.
 
@@ -170,7 +169,7 @@ def check_reference(use_ref_model, ref_input, ref_weight) -> None:
         raise AttributeError("use_ref_model=True but ref_weight is None: pass the reference model's LM-head weight")
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], fast: bool) -> torch.Tensor:
+def _logits(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fast: bool) -> torch.Tensor:
     """Fresh fp32 (fp64 for fp64) ``(c, Vb)`` logits of a chunk; ``h`` and ``w`` are in the compute dtype."""
     if h.dtype in (torch.float32, torch.float64):
         return h @ w.t() if bias is None else torch.addmm(bias.to(h.dtype), h, w.t())
@@ -230,8 +229,19 @@ class TokenLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logp):
         hidden2d, weight, bias, positions, labels, lse = ctx.saved_tensors
         with _no_autocast(hidden2d.device):
-            grads = _backward_chunks(hidden2d, weight, bias if ctx.has_bias else None, positions, labels, lse,
-                                     grad_logp, ctx.chunk, ctx.cdtype, ctx.budget, ctx.needs_input_grad[:3])
+            grads = _backward_chunks(
+                hidden2d,
+                weight,
+                bias if ctx.has_bias else None,
+                positions,
+                labels,
+                lse,
+                grad_logp,
+                ctx.chunk,
+                ctx.cdtype,
+                ctx.budget,
+                ctx.needs_input_grad[:3],
+            )
         return (*grads, None, None, None, None, None)
 
 

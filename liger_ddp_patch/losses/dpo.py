@@ -45,13 +45,11 @@ Metrics (all detached, fp32), in order:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
-from ._core import check_reference as _check_reference
 from ._core import ChunkedLinearLoss, row_logit_sums
+from ._core import check_reference as _check_reference
 
 __all__ = ["ChunkedDPOLoss", "dpo_preference_loss", "SUPPORTED_DPO_LOSS_TYPES"]
 
@@ -90,8 +88,8 @@ def _check_options(loss_type: str, label_smoothing: float) -> None:
 def dpo_preference_loss(
     chosen_logps: torch.Tensor,
     rejected_logps: torch.Tensor,
-    ref_chosen_logps: Optional[torch.Tensor],
-    ref_rejected_logps: Optional[torch.Tensor],
+    ref_chosen_logps: torch.Tensor | None,
+    ref_rejected_logps: torch.Tensor | None,
     n_pairs: int,
     beta: float = 0.1,
     loss_type: str = "sigmoid",
@@ -166,7 +164,7 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
         loss_type: str = "sigmoid",
         label_smoothing: float = 0.0,
         discopop_tau: float = 0.05,
-        token_chunk_size: Optional[int] = None,
+        token_chunk_size: int | None = None,
     ):
         _check_options(loss_type, label_smoothing)
         super().__init__(ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size)
@@ -187,10 +185,10 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
         lin_weight: torch.Tensor,
         _input: torch.Tensor,
         target: torch.Tensor,
-        bias: Optional[torch.Tensor] = None,
-        ref_input: Optional[torch.Tensor] = None,
-        ref_weight: Optional[torch.Tensor] = None,
-        ref_bias: Optional[torch.Tensor] = None,
+        bias: torch.Tensor | None = None,
+        ref_input: torch.Tensor | None = None,
+        ref_weight: torch.Tensor | None = None,
+        ref_bias: torch.Tensor | None = None,
     ):
         """
         Args:

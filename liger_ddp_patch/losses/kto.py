@@ -28,12 +28,10 @@ Metrics (detached fp32 scalars), in order:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from ._core import check_reference as _check_reference
 from ._core import ChunkedLinearLoss, row_logit_sums
+from ._core import check_reference as _check_reference
 
 __all__ = ["ChunkedKTOLoss", "kto_preference_loss"]
 
@@ -70,7 +68,7 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
         use_ref_model: bool = False,
         average_log_prob: bool = False,
         chunk_size: int = 1,
-        token_chunk_size: Optional[int] = None,
+        token_chunk_size: int | None = None,
     ):
         super().__init__(ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size)
 
@@ -82,12 +80,12 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
         _input: torch.Tensor,
         lin_weight: torch.Tensor,
         target: torch.Tensor,
-        bias: Optional[torch.Tensor] = None,
-        preference_labels: Optional[torch.Tensor] = None,
-        ref_input: Optional[torch.Tensor] = None,
-        ref_weight: Optional[torch.Tensor] = None,
-        ref_bias: Optional[torch.Tensor] = None,
-        kl: Optional[torch.Tensor] = None,
+        bias: torch.Tensor | None = None,
+        preference_labels: torch.Tensor | None = None,
+        ref_input: torch.Tensor | None = None,
+        ref_weight: torch.Tensor | None = None,
+        ref_bias: torch.Tensor | None = None,
+        kl: torch.Tensor | None = None,
     ):
         """
         Args:
