@@ -250,6 +250,9 @@ def main(argv: list[str] | None = None) -> None:
             json.dump({"trl": trl.__version__, "liger_kernel": liger, "patch_mode": PATCH_MODE, "results": results,
                        "report": report}, fh)  # fmt: skip
     if dist.is_initialized():
+        # Every rank leaves together: a rank tearing gloo down while another still works can abort at exit
+        # ("terminate called without an active exception"), and a two-node torchrun then waits 300 s for it.
+        dist.barrier()
         dist.destroy_process_group()
 
 
