@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from liger_ddp_patch.patches.compute_loss import decide, redirect_forward
+from liger_ddp_patch.patches.compute_loss import redirect_forward, route
 
 
 class Tiny(nn.Module):
@@ -45,9 +45,9 @@ class DeepSpeedEngine(nn.Module):  # stands in for deepspeed's engine, by name (
 def test_only_distributed_data_parallel_is_routed(process_group):
     inner = Tiny()
     ddp, sub = nn.parallel.DistributedDataParallel(inner), DDPSubclass(Tiny())
-    assert decide(ddp, inner, True) == (True, "routed through DistributedDataParallel.forward")
-    assert decide(sub, sub.module, True) == (True, "routed through DDPSubclass.forward")
-    assert decide(ddp, inner, False) == (False, "use_liger_kernel=False: left to TRL")
+    assert route(ddp, inner, True) == (True, "routed through DistributedDataParallel.forward")
+    assert route(sub, sub.module, True) == (True, "routed through DDPSubclass.forward")
+    assert route(ddp, inner, False) == (False, "use_liger_kernel=False: left to TRL")
 
 
 @pytest.mark.parametrize(
@@ -63,7 +63,7 @@ def test_only_distributed_data_parallel_is_routed(process_group):
 )
 def test_every_other_wrapper_is_left_to_trl(wrap, expected):
     inner = Tiny()
-    assert decide(wrap(inner), inner, True) == (False, expected)
+    assert route(wrap(inner), inner, True) == (False, expected)
 
 
 def test_pre_19_redirect_hands_the_inputs_to_a_ddp_built_with_device_ids(process_group):

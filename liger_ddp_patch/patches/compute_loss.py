@@ -3,7 +3,7 @@
 TRL 1.9.0-1.13.0 call ``_compute_loss_liger`` on the unwrapped model unless ZeRO-3 or FSDP is on, so under plain
 DDP ``DistributedDataParallel.forward()`` never runs, its reducer is never armed and gradients are never all-reduced.
 Upstream's fix (TRL 1.14.0; PRs #7243 and #7247) redirects whenever ``model is not unwrapped_model``. We redirect
-only when that wrapper is ``DistributedDataParallel`` (see :func:`decide`), by calling the *original* ``compute_loss``
+only when that wrapper is ``DistributedDataParallel`` (see :func:`route`), by calling the *original* ``compute_loss``
 inside the wrapper's forward: every other configuration, and everything else the original does (the non-Liger path,
 the ZeRO-3/FSDP redirect, the re-raised image-token ``ValueError``), stays exactly TRL's own code.
 
@@ -106,7 +106,7 @@ def _uses_liger(trainer: Any) -> bool:
     return bool(flag)
 
 
-def decide(model: Any, unwrapped: Any, uses_liger: bool) -> tuple[bool, str]:
+def route(model: Any, unwrapped: Any, uses_liger: bool) -> tuple[bool, str]:
     """``(route through the wrapper?, what that means)`` for the model the Trainer handed to ``compute_loss``.
 
     Only ``DistributedDataParallel`` (or a subclass) is broken: its reducer is armed by its own ``forward`` alone.
@@ -159,9 +159,9 @@ def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             uses_liger = _uses_liger(self)
             unwrapped = self.accelerator.unwrap_model(model) if uses_liger else model
-            route, decision = decide(model, unwrapped, uses_liger)
+            routed, decision = route(model, unwrapped, uses_liger)
             trainer = type(self).__name__
-            if not route:
+            if not routed:
                 engine.note(name, trainer, decision)
                 return original(self, model, inputs, return_outputs, num_items_in_batch)
             decision = f"{decision}, {chunked_loss.swap(self, engine.original(spec.chunked_loss_patch), spec)}"
