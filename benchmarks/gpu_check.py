@@ -27,7 +27,6 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -214,18 +213,10 @@ def run_part_a(args, paths, out: Path) -> list[dict]:
 # ------------------------------------------------------------------------------------------------- (b) DDP
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_two_nodes(trl_dir: str, common: str, assets: Path, patched: bool, device: str, out: Path, timeout: float):
     """torchrun --nnodes=2 --nproc_per_node=1 twice on loopback, the probe on ``device``; rank 0's JSON."""
-    from liger_ddp_patch.demo import PROBE
+    from liger_ddp_patch.demo import run_probe_two_nodes
 
-    result = out / "result.json"
-    port = _free_port()
     env = dict(
         os.environ,
         PROBE_PATCH="before" if patched else "none",
@@ -234,46 +225,10 @@ def launch_two_nodes(trl_dir: str, common: str, assets: Path, patched: bool, dev
     )
     if not patched:
         env["LIGER_DDP_PATCH_DISABLE"] = "1"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                f"--node_rank={rank}",
-                "--nproc_per_node=1",
-                "--master_addr=127.0.0.1",
-                f"--master_port={port}",
-                str(PROBE),
-                "--assets",
-                str(assets),
-                "--trainers",
-                "dpo,kto",
-                "--out",
-                str(result),
-                "--device",
-                device,
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=out,
-        )  # fmt: skip
-        for rank in (0, 1)
-    ]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            logs.append(p.communicate()[0] + "\n[timed out]")
-    (out / "log.txt").write_text("\n".join(logs))
-    if not result.exists():
-        return {"error": f"no result (exit {[p.returncode for p in procs]}): {logs[0][-1500:]}"}
-    return json.loads(result.read_text())
+    extra = ("--device", device)
+    result, logs = run_probe_two_nodes(assets, out, env, trainers="dpo,kto", extra=extra, timeout=timeout)
+    (out / "log.txt").write_text(logs)
+    return result if result is not None else {"error": f"no result: {logs[-1500:]}"}
 
 
 def run_part_b(args, paths, out: Path) -> list[dict]:

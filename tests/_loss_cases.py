@@ -109,3 +109,18 @@ def close(a, b, rtol, atol):
     scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
     ok = bool((err <= atol * scale + rtol * b.abs()).all())
     return ok, float(err.max()) if err.numel() else 0.0
+
+
+def call_kto(loss_fn, x, labels, kl=None):
+    """A KTO loss called the way TRL's KTOTrainer calls it (keywords) on the tensors of ``make_inputs``."""
+    return loss_fn(
+        _input=x["hidden"],
+        lin_weight=x["weight"],
+        target=x["target"],
+        bias=x["bias"],
+        preference_labels=labels,
+        ref_input=x["ref_hidden"],
+        ref_weight=x["ref_weight"],
+        ref_bias=x["ref_bias"],
+        kl=kl,
+    )

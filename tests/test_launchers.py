@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from liger_ddp_patch.demo import PACKAGE_ROOT, PROBE
+from liger_ddp_patch.demo import PACKAGE_ROOT, PROBE, run_probe_two_nodes
 
 pytestmark = pytest.mark.ddp
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "sitecustomize_example")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_with(pythonpath: list[str], **extra: str) -> dict:
@@ -58,34 +51,11 @@ def test_accelerate_launch(tiny_small, tmp_path, injected):
 @pytest.mark.parametrize("injected", [False, True], ids=["control", "liger-ddp-patch-run"])
 def test_two_node_torchrun_on_loopback(tiny_small, tmp_path, injected):
     """Two torchrun invocations, one process each; the package arrives only through `liger-ddp-patch run`."""
-    out = tmp_path / "result.json"
-    port = free_port()
-    prefix = [sys.executable, "-m", "liger_ddp_patch", "run", "--"] if injected else []
-    procs = [
-        subprocess.Popen(
-            [
-                *prefix,
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                f"--node_rank={rank}",
-                "--nproc_per_node=1",
-                "--master_addr=127.0.0.1",
-                f"--master_port={port}",
-                *probe_args(tiny_small, out),
-            ],
-            env=env_with([]),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=tmp_path,
-        )  # fmt: skip
-        for rank in (0, 1)
-    ]
-    done = [subprocess.CompletedProcess(p.args, p.wait(timeout=900), *p.communicate()) for p in procs]
-    result = read(out, done)
+    prefix = (sys.executable, "-m", "liger_ddp_patch", "run", "--") if injected else ()
+    result, logs = run_probe_two_nodes(tiny_small, tmp_path, env_with([]), prefix=prefix)
+    assert result is not None, logs[-5000:]
+    (run,) = result["results"]
     if injected:
-        assert (result["differing"], result["max_abs_diff"]) == (0, 0.0), result
+        assert (run["differing"], run["max_abs_diff"]) == (0, 0.0), run
     else:
-        assert result["differing"] > 0, result
+        assert run["differing"] > 0, run

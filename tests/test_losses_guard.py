@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from _loss_cases import leaf_copies, load_reference, make_inputs
+from _loss_cases import call_kto, leaf_copies, load_reference, make_inputs
 
 from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss
 
@@ -75,17 +75,7 @@ def _dpo_step(cls, **kw):
 
 def _kto_step(cls, **kw):
     x = leaf_copies(make_inputs(batch=4, seed=2))
-    loss, metrics = cls(**kw)(
-        _input=x["hidden"],
-        lin_weight=x["weight"],
-        target=x["target"],
-        bias=x["bias"],
-        preference_labels=torch.tensor([True, False, True, False]),
-        ref_input=x["ref_hidden"],
-        ref_weight=x["ref_weight"],
-        ref_bias=x["ref_bias"],
-        kl=torch.tensor(0.2),
-    )
+    loss, metrics = call_kto(cls(**kw), x, torch.tensor([True, False, True, False]), torch.tensor(0.2))
     loss.backward()
     return loss, x
 

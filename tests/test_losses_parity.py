@@ -26,7 +26,7 @@ import zlib
 
 import pytest
 import torch
-from _loss_cases import DPO_LOSS_TYPES, IGNORE, close, leaf_copies, load_reference, make_inputs, make_target
+from _loss_cases import DPO_LOSS_TYPES, IGNORE, call_kto, close, leaf_copies, load_reference, make_inputs, make_target
 
 from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss
 from liger_ddp_patch.losses._core import token_logprobs
@@ -98,17 +98,7 @@ def _run_dpo(cls, kwargs, inp, scale=1.0):
 
 def _run_kto(cls, kwargs, inp, labels, kl):
     x = leaf_copies(inp)
-    loss, metrics = cls(**kwargs)(
-        _input=x["hidden"],
-        lin_weight=x["weight"],
-        target=x["target"],
-        bias=x["bias"],
-        preference_labels=labels,
-        ref_input=x["ref_hidden"],
-        ref_weight=x["ref_weight"],
-        ref_bias=x["ref_bias"],
-        kl=kl,
-    )
+    loss, metrics = call_kto(cls(**kwargs), x, labels, kl)
     loss.backward()
     grads = (x["hidden"].grad, x["weight"].grad, None if x["bias"] is None else x["bias"].grad)
     return loss, metrics, grads

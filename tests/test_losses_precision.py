@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _loss_cases import leaf_copies, load_reference
+from _loss_cases import call_kto, leaf_copies, load_reference
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss, _core
@@ -155,16 +155,7 @@ def test_autocast_kto_forward_backward_consistent():
         inp = leaf_copies(inp)
         ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
         with ctx:
-            loss, _ = ChunkedKTOLoss(use_ref_model=True, token_chunk_size=16)(
-                _input=inp["hidden"],
-                lin_weight=inp["weight"],
-                target=inp["target"],
-                bias=inp["bias"],
-                preference_labels=labels,
-                ref_input=inp["ref_hidden"],
-                ref_weight=inp["ref_weight"],
-                ref_bias=inp["ref_bias"],
-            )
+            loss, _ = call_kto(ChunkedKTOLoss(use_ref_model=True, token_chunk_size=16), inp, labels)
         loss.backward()
         return loss, inp["hidden"].grad, inp["weight"].grad
 

@@ -52,6 +52,49 @@ def run_probe(
     return result
 
 
+def run_probe_two_nodes(
+    assets: str | Path,
+    out: Path,
+    env: dict[str, str],
+    trainers: str = "dpo",
+    prefix: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (),
+    timeout: float = 900,
+) -> tuple[dict | None, str]:
+    """The probe as two one-process torchrun "nodes" on loopback, as multi-node jobs run: ``(rank 0's JSON or None,
+    both nodes' output)``. ``prefix`` goes before each torchrun (e.g. ``liger-ddp-patch run --``); ``env`` is complete.
+
+    Each node writes to a file, not a pipe: a node blocked on a full pipe would hold the other at the exit barrier.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    result = out / "result.json"
+    port = _free_port()
+    procs = []
+    for rank in (0, 1):
+        cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
+               "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", str(PROBE),
+               "--assets", str(assets), "--trainers", trainers, "--out", str(result), *extra]  # fmt: skip
+        with open(out / f"node{rank}.log", "w") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=out))
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    logs = "\n".join((out / f"node{rank}.log").read_text() for rank in (0, 1))
+    return (json.loads(result.read_text()) if result.exists() else None), logs
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _row(trainer: str, label: str, r: dict) -> str:
     if "error" in r:
         return f"{trainer:<7} {label:<10} crashed: {r['error'].splitlines()[0][:90]}"
