@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from liger_ddp_patch.demo import free_port
 from liger_ddp_patch.patches.compute_loss import redirect_forward, route
 
 
@@ -24,10 +23,7 @@ class Tiny(nn.Module):
 @pytest.fixture(scope="module")
 def process_group():
     """A one-rank gloo group in this process: enough to build a real DistributedDataParallel on CPU."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

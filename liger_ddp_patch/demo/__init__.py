@@ -68,7 +68,7 @@ def run_probe_two_nodes(
     """
     out.mkdir(parents=True, exist_ok=True)
     result = out / "result.json"
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in (0, 1):
         cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
@@ -87,7 +87,8 @@ def run_probe_two_nodes(
     return (json.loads(result.read_text()) if result.exists() else None), logs
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback right now (for a rendezvous or a process-group store)."""
     import socket
 
     with socket.socket() as s:

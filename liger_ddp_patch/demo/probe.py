@@ -190,8 +190,8 @@ def run_one(kind: str, assets: str, args) -> dict:
     if args.weights_out and rank == 0:
         weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
         torch.save({k: v.detach().float().cpu() for k, v in weights.items()}, f"{args.weights_out}.{kind}.pt")
-    loss = next((getattr(trainer, a) for a in spec.loss_attributes if getattr(trainer, a, None) is not None), None)
-    result["loss_class"] = type(loss).__name__
+    attribute = spec.loss_attribute(trainer)
+    result["loss_class"] = type(getattr(trainer, attribute)).__name__ if attribute else "NoneType"
     return result
 
 

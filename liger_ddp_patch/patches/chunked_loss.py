@@ -45,7 +45,7 @@ def swap(trainer: Any, fused: type | None, spec: TrainerSpec) -> str:
     Called only when the trainer runs under DistributedDataParallel, so every other configuration keeps TRL's own
     loss object. ``fused`` is the class ``spec``'s chunked-loss record checked (``None`` when it is not applied).
     """
-    attribute = next((a for a in spec.loss_attributes if getattr(trainer, a, None) is not None), None)
+    attribute = spec.loss_attribute(trainer)
     if attribute is None:
         return "no fused loss to swap"
     loss, ours, patch = getattr(trainer, attribute), spec.loss_class(), spec.chunked_loss_patch

@@ -51,6 +51,10 @@ class TrainerSpec(NamedTuple):
     def shape_at(self, version: str) -> str:
         return _at(self.shapes, version)
 
+    def loss_attribute(self, trainer: object) -> str | None:
+        """Where ``trainer`` keeps its fused loss object (``None``: it built none)."""
+        return next((a for a in self.loss_attributes if getattr(trainer, a, None) is not None), None)
+
     def loss_class(self) -> type:
         """Imported on first use: the losses import torch, which the package itself never does at import time."""
         import importlib
