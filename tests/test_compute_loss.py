@@ -1,6 +1,10 @@
-"""The compute_loss patch at unit level: which wrapper is routed, and the pre-1.9 redirect on a real DDP wrapper."""
+"""The compute_loss patch at unit level: which wrapper is routed, the pre-1.9 redirect on a real DDP wrapper, and the
+replacement itself handed real FSDP / FSDP2 models (left to TRL's original untouched) beside a DDP control."""
 
 from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from liger_ddp_patch.demo import free_port
-from liger_ddp_patch.patches.compute_loss import redirect_forward, route
+from liger_ddp_patch.patches.compute_loss import redirect_forward, replacer, route
+from liger_ddp_patch.patches.trainers import SPECS
 
 
 class Tiny(nn.Module):
@@ -72,14 +77,125 @@ def test_pre_19_redirect_hands_the_inputs_to_a_ddp_built_with_device_ids(process
     ddp = nn.parallel.DistributedDataParallel(inner)
     ddp.device_ids = [0]
     inputs = {"x": torch.ones(4, 3)}
-    seen = []
+    events = []
+    # DDP's own forward must run (it arms the reducer), once, with the inputs, and the method inside it.
+    ddp.register_forward_pre_hook(lambda _, args, kwargs: events.append(("enter", args, kwargs)), with_kwargs=True)
+    ddp.register_forward_hook(lambda *_: events.append(("exit",)))
 
     def method(model, batch, flag):
-        seen.append((model, flag))
+        events.append(("method", model, flag))
         return model.lin(batch["x"]).sum()
 
     loss = redirect_forward(ddp, inner, method, inner, inputs, False)
     loss.backward()
-    assert seen == [(inner, False)]
+    assert [e[0] for e in events] == ["enter", "method", "exit"], events
+    _, args, kwargs = events[0]
+    assert len(args) == 3 and args[0] is inner and args[1] is inputs and args[2] is False and kwargs == {}, events[0]
+    assert events[1][1:] == (inner, False)
     assert inner.lin.weight.grad is not None
     assert "forward" not in vars(inner)  # the real forward is back
+
+
+# --- the compute_loss replacement with real FSDP wrappers ------------------------------------------------------------
+# What the replacement reads from a DPOTrainer/KTOTrainer is faked (use_liger_kernel, the fused loss object, the
+# accelerator's unwrap, which is accelerate's own); the models and wrappers are real, in the one-rank gloo group.
+
+
+class FusedLoss(nn.Module):  # stands in for the fused class the chunked-loss record checked (Liger's, or TRL 1.13's)
+    beta = 0.1
+
+
+class Trainer:
+    use_liger_kernel = True
+
+    def __init__(self):
+        from accelerate.utils import extract_model_from_parallel
+
+        self.accelerator = SimpleNamespace(
+            unwrap_model=extract_model_from_parallel
+        )  # what Accelerator.unwrap_model does
+        self.liger_loss = FusedLoss()
+
+
+class Engine:  # the two engine calls the replacement makes
+    def __init__(self):
+        self.notes = []
+
+    def original(self, name):
+        return FusedLoss if name.endswith("_chunked_loss") else None
+
+    def note(self, name, key, decision):
+        self.notes.append((name, key, decision))
+
+
+def call_replacement(spec, model):
+    """One call of ``spec``'s compute_loss replacement with ``model``: what TRL's original saw, what the wrapper saw."""
+    calls, forwards, result = [], [], torch.tensor(0.5)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # TRL's, as a recorder
+        calls.append((self, model, inputs, return_outputs, num_items_in_batch))
+        return result
+
+    model.register_forward_pre_hook(lambda _, args, kwargs: forwards.append(args), with_kwargs=True)
+    trainer, inputs = Trainer(), {"x": torch.ones(4, 3)}
+    loss = trainer.liger_loss
+    engine = Engine()
+    returned = replacer(spec)(compute_loss, engine)(trainer, model, inputs, False, 7)
+    return SimpleNamespace(
+        calls=calls, forwards=forwards, trainer=trainer, inputs=inputs, loss=loss, result=result, returned=returned,
+        notes=engine.notes,
+    )  # fmt: skip
+
+
+def fsdp(module):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    with warnings.catch_warnings():  # one rank: FSDP says it falls back to NO_SHARD
+        warnings.simplefilter("ignore", UserWarning)
+        return FullyShardedDataParallel(module, device_id=torch.device("cpu"))
+
+
+def fsdp2(module):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    sharded = fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+    assert isinstance(sharded, FSDPModule) and sharded is module  # FSDP2 shards in place: no wrapper object
+    return sharded
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+@pytest.mark.parametrize(
+    ("wrap", "decision"),
+    [(fsdp, "FullyShardedDataParallel: left to TRL"), (fsdp2, "no wrapper: left to TRL")],
+    ids=["FSDP", "FSDP2"],
+)
+def test_fsdp_reaches_trls_compute_loss_untouched(process_group, spec, wrap, decision):
+    """FSDP reduces gradients through its own hooks and TRL redirects FSDP itself: the original gets the very model,
+    the very inputs and arguments, its result comes back as is, no wrapper forward runs and the loss object stays."""
+    model = wrap(Tiny())
+    seen = call_replacement(spec, model)
+    assert len(seen.calls) == 1, seen.calls
+    trainer, passed_model, inputs, return_outputs, num_items = seen.calls[0]
+    assert trainer is seen.trainer and passed_model is model and inputs is seen.inputs, seen.calls
+    assert (return_outputs, num_items) == (False, 7)
+    assert seen.returned is seen.result
+    assert seen.forwards == []  # not run inside the wrapper's forward
+    assert seen.trainer.liger_loss is seen.loss and type(seen.loss) is FusedLoss  # TRL's loss object, not swapped
+    assert seen.notes == [(spec.compute_loss_patch, "Trainer", decision)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
+def test_control_the_same_harness_sees_ddp_routed_and_swapped(process_group, spec, monkeypatch):
+    """The harness above can fail: a DDP model in it is routed (the original gets the unwrapped module, inside the
+    wrapper's forward) and its loss object swapped for ours."""
+    from liger_ddp_patch import log
+
+    monkeypatch.setattr(log, "_announced", True)  # the once-per-process line stays unsaid in this pytest process
+    inner = Tiny()
+    ddp = nn.parallel.DistributedDataParallel(inner)
+    seen = call_replacement(spec, ddp)
+    assert len(seen.calls) == 1 and seen.calls[0][1] is inner and seen.calls[0][1] is not ddp
+    assert len(seen.forwards) == 1 and seen.forwards[0][0] is inner and seen.forwards[0][1] is seen.inputs
+    assert seen.trainer.liger_loss is not seen.loss and isinstance(seen.trainer.liger_loss, spec.loss_class())
+    assert seen.notes[0][2].startswith("routed through DistributedDataParallel.forward, fused loss FusedLoss → ")
