@@ -4,7 +4,10 @@ It runs as a plain script and never imports this package unless asked.
 
 Each rank trains on different rows, so gradients that were never all-reduced differ. Rank 0 writes a JSON result to
 ``--out``. Run without torchrun it is one plain process; ``--grads-out`` then keeps the gradients for a bitwise
-comparison between runs. ``PROBE_PATCH`` says how the package arrives: ``before`` (imported before TRL), ``after``
+comparison between runs; under torchrun it keeps rank 0's first synchronised gradients. ``--configs`` runs several
+named setups (:data:`CONFIGS`: LoRA, checkpointing, a reference model, ...) in one launch, each on a fresh model and
+trainer, and ``--arms`` runs each of them with Liger, with Liger's fused loss kept while routed, and with Liger off.
+``PROBE_PATCH`` says how the package arrives: ``before`` (imported before TRL), ``after``
 (after ``from trl import ...``), ``late`` (after the trainers are built), ``none`` (never imported here; a
 ``sitecustomize`` may still bring it).
 """
@@ -28,6 +31,49 @@ import torch.distributed as dist  # noqa: E402
 # Liger's Triton model kernels need a GPU; its chunked losses are plain PyTorch and run on CPU.
 NO_TRITON = {k: False for k in ("rope", "rms_norm", "swiglu", "cross_entropy", "fused_linear_cross_entropy",
                                 "layer_norm", "geglu")}  # fmt: skip
+
+# Named setups for --configs, each a fresh model and trainer. Keys override the command line: trainer, lora (LoRA on
+# q/v), modules_to_save, peft_model (a PeftModel, adapters already moved off zero, handed to the trainer), checkpointing
+# ("reentrant"/"non-reentrant"), find_unused (ddp_find_unused_parameters), ref_model (an explicit reference model),
+# grad_accum, loss_type, bf16, model_dtype. A trainer's short name alone is its plain setup.
+CONFIGS: dict[str, dict] = {
+    "dpo-bf16-mixed": {"trainer": "dpo", "bf16": True},  # fp32 weights, bf16=True (TRL's default)
+    "kto-bf16-mixed": {"trainer": "kto", "bf16": True},
+    "dpo-bf16": {"trainer": "dpo", "bf16": True, "model_dtype": "bfloat16"},  # the upstream report's setting
+    "dpo-lora": {"trainer": "dpo", "lora": True},
+    "dpo-lora-gc": {"trainer": "dpo", "lora": True, "checkpointing": "non-reentrant"},
+    "dpo-lora-head": {"trainer": "dpo", "lora": True, "modules_to_save": ["lm_head"]},
+    "dpo-peft-model": {"trainer": "dpo", "peft_model": True},
+    "dpo-gc": {"trainer": "dpo", "checkpointing": "non-reentrant"},
+    "dpo-gc-reentrant": {"trainer": "dpo", "checkpointing": "reentrant"},
+    "dpo-find-unused": {"trainer": "dpo", "find_unused": True},
+    "dpo-ref-model": {"trainer": "dpo", "ref_model": True},
+    "dpo-grad-accum": {"trainer": "dpo", "grad_accum": 2},
+    "dpo-apo-zero": {"trainer": "dpo", "loss_type": ["apo_zero"]},
+    "kto-lora": {"trainer": "kto", "lora": True},
+    "kto-bf16": {"trainer": "kto", "bf16": True, "model_dtype": "bfloat16"},
+    "kto-gc": {"trainer": "kto", "checkpointing": "non-reentrant"},
+    "kto-peft-model": {"trainer": "kto", "peft_model": True},
+    # A PeftModel makes Trainer default ddp_find_unused_parameters=True, which DDP cannot combine with reentrant
+    # checkpointing: "Expected to mark a variable ready only once", with or without Liger.
+    "dpo-lora-gc-reentrant": {"trainer": "dpo", "lora": True, "checkpointing": "reentrant"},
+}
+ARMS = ("liger", "fused", "off")  # use_liger_kernel=True; the same with TRL's fused loss kept; use_liger_kernel=False
+
+
+def setup(name: str, arm: str, args) -> argparse.Namespace:
+    """The command line with config ``name``'s keys and ``arm`` applied (unknown names: a trainer's plain setup)."""
+    defaults = {"lora": False, "modules_to_save": None, "peft_model": False, "checkpointing": None,
+                "find_unused": None, "ref_model": False, "loss_type": None}  # fmt: skip
+    merged = {**defaults, **vars(args), **CONFIGS.get(name, {"trainer": name}), "config": name, "arm": arm}
+    if arm == "off":
+        merged["no_liger"] = True
+    return argparse.Namespace(**merged)
+
+
+def tag(name: str, arm: str) -> str:
+    """The file suffix of one run: the config name, plus the arm unless it is plain Liger."""
+    return name if arm == "liger" else f"{name}.{arm}"
 
 
 @functools.cache
@@ -86,15 +132,15 @@ def prompt_rows(rank: int, n: int = 32) -> list[dict]:
 def _watch_losses(seen: dict) -> object:
     """Note the dtypes and autocast state each DPO/KTO loss module sees (to show which precision really ran)."""
 
-    def hook(module, args):  # global hooks get positional arguments only (KTO passes keywords: autocast state only)
+    def hook(module, args, kwargs, _output):  # the global *post* hook sees keywords too (KTO passes them all so)
         name = type(module).__name__
         if name.endswith(("DPOLoss", "KTOLoss")):
-            tensors = [a for a in args if torch.is_tensor(a) and a.is_floating_point()]
+            tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a) and a.is_floating_point()]
             seen.setdefault(
                 name, sorted({str(t.dtype) for t in tensors} | {f"autocast={torch.is_autocast_enabled('cpu')}"})
             )
 
-    return torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    return torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
 
 
 def save_gradients(model: torch.nn.Module, path: str) -> dict:
@@ -123,8 +169,53 @@ def compare_across_ranks(model: torch.nn.Module) -> dict:
     return {"params": total, "differing": differing, "max_abs_diff": max_diff, "differing_names": names[:5]}
 
 
+def _optional(args) -> dict:
+    """Config keywords set only when asked for, so the plain probe builds the same config on every TRL release."""
+    extra: dict = {}
+    if args.lr is not None:
+        extra["learning_rate"] = args.lr
+    if args.optim:
+        extra["optim"] = args.optim
+    if args.checkpointing:
+        extra["gradient_checkpointing"] = True
+        extra["gradient_checkpointing_kwargs"] = {"use_reentrant": args.checkpointing == "reentrant"}
+    if args.find_unused is not None:
+        extra["ddp_find_unused_parameters"] = args.find_unused
+    if args.loss_type:
+        extra["loss_type"] = args.loss_type
+    return extra
+
+
+def _lora(args):
+    from peft import LoraConfig
+
+    # No dropout: every arm must draw the same numbers.
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                      modules_to_save=args.modules_to_save, task_type="CAUSAL_LM")  # fmt: skip
+
+
+def _peft_model(model, args):
+    """A PeftModel built before the trainer, its adapters moved off zero as training leaves them."""
+    from peft import get_peft_model
+
+    model = get_peft_model(model, _lora(args))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.02)
+    return model
+
+
+def keep_fused(trainer, spec) -> None:
+    """Make the trainer's fused loss a trivial subclass, which the package's swap keeps: TRL's own loss, routed."""
+    attribute = spec.loss_attribute(trainer)
+    loss = getattr(trainer, attribute)
+    loss.__class__ = type(f"Kept{type(loss).__name__}", (type(loss),), {})
+
+
 def _config(config_cls, kind: str, args):
     return config_cls(
+        **_optional(args),
         output_dir=tempfile.mkdtemp(prefix=f"probe-{kind}-"),
         use_liger_kernel=not args.no_liger,
         liger_kernel_config=NO_TRITON,
@@ -146,33 +237,52 @@ def _config(config_cls, kind: str, args):
     )
 
 
-def run_one(kind: str, assets: str, args) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
+    """One config (a trainer's short name or a key of :data:`CONFIGS`) under one arm: build, train, record."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
 
+    args = setup(name, arm, args)
+    kind, out = args.trainer, tag(name, arm)
     spec = trainer_specs()[kind]
     config_cls, trainer_cls = _trainer_classes(kind)
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     tokenizer = AutoTokenizer.from_pretrained(assets)
     model = AutoModelForCausalLM.from_pretrained(assets, dtype=getattr(torch, args.model_dtype))
     config = _config(config_cls, kind, args)
-    result: dict = {"trainer": kind}
+    result: dict = {"trainer": kind, "config": name, "arm": arm}
     # The eval set is the same on every rank: the Trainer shards it, so eval metrics are comparable across runs.
     eval_dataset = _dataset(kind, 7) if args.eval_steps else None
+    extra: dict = {}
+    set_seed(0)  # LoRA's init draws from the global RNG inside the trainer, before Trainer seeds it
+    if args.peft_model:
+        model = _peft_model(model, args)
+    elif args.lora:
+        extra["peft_config"] = _lora(args)
+    if args.ref_model:
+        extra["ref_model"] = AutoModelForCausalLM.from_pretrained(assets, dtype=getattr(torch, args.model_dtype))
+    if args.weights_out and rank == 0:
+        torch.save({k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()},
+                   f"{args.weights_out}.{out}.init.pt")  # fmt: skip
     trainer = trainer_cls(
         model=model,
         args=config,
         train_dataset=_dataset(kind, rank),
         eval_dataset=eval_dataset,
         processing_class=tokenizer,
+        **extra,
     )
+    if arm == "fused":
+        keep_fused(trainer, spec)
 
     class GradProbe(TrainerCallback):
         def on_pre_optimizer_step(self, _args, state, control, **kwargs):
             model = trainer.accelerator.unwrap_model(trainer.model)
             if dist.is_initialized():
                 result.update(compare_across_ranks(model))
+                if args.grads_out and state.global_step == 0 and rank == 0:  # after DDP's all-reduce
+                    save_gradients(model, f"{args.grads_out}.{out}.pt")
             elif args.grads_out and state.global_step == 0:
-                result.update(save_gradients(model, f"{args.grads_out}.{kind}.pt"))
+                result.update(save_gradients(model, f"{args.grads_out}.{out}.pt"))
 
     if PATCH_MODE == "late":
         import liger_ddp_patch  # noqa: F401  (the trainer already holds a fused loss: the patch must convert it)
@@ -189,7 +299,7 @@ def run_one(kind: str, assets: str, args) -> dict:
     result["evals"] = [h for h in trainer.state.log_history if "eval_loss" in h]
     if args.weights_out and rank == 0:
         weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
-        torch.save({k: v.detach().float().cpu() for k, v in weights.items()}, f"{args.weights_out}.{kind}.pt")
+        torch.save({k: v.detach().float().cpu() for k, v in weights.items()}, f"{args.weights_out}.{out}.pt")
     attribute = spec.loss_attribute(trainer)
     result["loss_class"] = type(getattr(trainer, attribute)).__name__ if attribute else "NoneType"
     return result
@@ -199,6 +309,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--assets", required=True, help="folder with the tiny model and tokenizer (demo.tiny.build)")
     parser.add_argument("--trainers", default="dpo,kto")
+    parser.add_argument(
+        "--configs", help="comma-separated keys of CONFIGS (or trainer names), run in turn; overrides --trainers"
+    )
+    parser.add_argument("--arms", default="liger", help=f"comma-separated, each config under each: {', '.join(ARMS)}")
+    parser.add_argument("--lr", type=float, help="learning rate (default: TRL's)")
+    parser.add_argument("--optim", help="Trainer optimizer name, e.g. sgd (default: TRL's AdamW)")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=1, help="optimizer steps")
@@ -217,7 +333,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--weights-out", help="rank 0 saves the final weights to WEIGHTS_OUT.<trainer>.pt")
     parser.add_argument(
-        "--grads-out", help="one process (no torchrun): save the first step's gradients to GRADS_OUT.<trainer>.pt"
+        "--grads-out",
+        help="save the first step's gradients to GRADS_OUT.<config>[.<arm>].pt (under torchrun: rank 0's, after the "
+        "all-reduce)",
     )
     args = parser.parse_args(argv)
 
@@ -227,11 +345,18 @@ def main(argv: list[str] | None = None) -> None:
         import liger_ddp_patch  # noqa: F401
 
     results = []
-    for kind in args.trainers.split(","):
-        try:
-            results.append(run_one(kind, args.assets, args))
-        except Exception as exc:  # record the crash (e.g. the TensorWrapper error) and go on to the next trainer
-            results.append({"trainer": kind, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+    rank = int(os.environ.get("RANK", "0"))
+    for name in (args.configs or args.trainers).split(","):
+        for arm in args.arms.split(","):
+            try:
+                results.append(run_one(name, args.assets, args, arm))
+            except Exception as exc:  # record the crash (e.g. the TensorWrapper error) and go on to the next run
+                error = f"{type(exc).__name__}: {exc}"
+                kind = CONFIGS.get(name, {"trainer": name})["trainer"]
+                results.append({"trainer": kind, "config": name, "arm": arm, "error": error,
+                                "trace": traceback.format_exc()})  # fmt: skip
+                if rank == 0:
+                    print(f"[probe] {tag(name, arm)} failed: {error.splitlines()[0][:200]}", flush=True)
 
     import sys
 
@@ -242,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import trl
 
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank == 0:
         liger = metadata.version(
             "liger-kernel"
         )  # the version matrix puts other liger-kernel releases first on the path

@@ -7,8 +7,12 @@ from pathlib import Path
 REAL_VOCAB = 151_936  # Qwen's vocabulary size: large enough to trip the fused losses' compiled path inside DDP
 
 
-def build(directory: str | Path, vocab_size: int = REAL_VOCAB, seed: int = 0) -> Path:
-    """Save a 2-layer Qwen3ForCausalLM and a matching tokenizer to ``directory`` and return it."""
+def build(directory: str | Path, vocab_size: int = REAL_VOCAB, seed: int = 0, tied: bool = False) -> Path:
+    """Save a 2-layer Qwen3ForCausalLM and a matching tokenizer to ``directory`` and return it.
+
+    ``tied``: the LM head shares the input embedding (as in Qwen3-0.6B and Llama-3.2-1B), so one tensor gets both
+    gradients: what the loss hands back through the head and what flows into the embedding.
+    """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -36,7 +40,7 @@ def build(directory: str | Path, vocab_size: int = REAL_VOCAB, seed: int = 0) ->
         num_key_value_heads=1,
         head_dim=16,
         max_position_embeddings=256,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         pad_token_id=vocab["<pad>"],
         eos_token_id=vocab["<eos>"],
         bos_token_id=None,

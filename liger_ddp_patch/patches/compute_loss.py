@@ -15,11 +15,12 @@ the wrapper's forward. Which releases have which shape: :mod:`.trainers`.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from ..log import announce
-from . import _shape, chunked_loss
+from . import _shape, chunked_loss, pitfalls
 from .trainers import TrainerSpec
 
 # The code shapes we know how to fix, by name (each TrainerSpec.shapes says which release has which). Each entry is one
@@ -153,6 +154,7 @@ def redirect_forward(wrapper: Any, inner: Any, method: Any, *args: Any, **kwargs
 def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
     """The ``replace`` of ``spec``'s compute_loss record (``engine``: the armed loss swap and the run-time notes)."""
     name = spec.compute_loss_patch
+    checked: weakref.WeakSet = weakref.WeakSet()  # wrappers already looked at by pitfalls.warn (first routed call)
 
     def replace(original: Any, engine: Any) -> Any:
         @functools.wraps(original)
@@ -165,6 +167,11 @@ def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
                 engine.note(name, trainer, decision)
                 return original(self, model, inputs, return_outputs, num_items_in_batch)
             decision = f"{decision}, {chunked_loss.swap(self, engine.original(spec.chunked_loss_patch), spec)}"
+            if model not in checked:
+                checked.add(model)
+                pitfall = pitfalls.warn(model, unwrapped)
+                if pitfall:
+                    engine.note(name, trainer, pitfall)
             engine.note(name, trainer, decision)
             announce("liger_ddp_patch: %s under DistributedDataParallel: %s (TRL #7245)", trainer, decision)
 
