@@ -33,7 +33,9 @@ from liger_ddp_patch.losses._core import token_logprobs
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = ATOL = 1e-5
-TINY_CHUNK = 4  # < L=13: every sequence is split across token chunks, chunks straddle rows
+TINY_CHUNK = 4  # < L=13: every sequence is split across token chunks, chunks straddle rows (two-pass path)
+# >= the tokens of any pair (2 L) / row (L): whole pairs/rows per chunk, several chunks per batch (one-pass path)
+PAIR_CHUNK, ROW_CHUNK = 2 * 13, 13
 
 REFS = ["liger", "trl113"]
 DPO_METRICS = (
@@ -110,19 +112,33 @@ def _dpo_kwargs(loss_type, **kw):
     return out
 
 
+def _path(loss):
+    """Which path made the loss: "one-pass" (gradients in the forward, ``_onepass``) or "two-pass"."""
+    return "one-pass" if "OnePassLoss" in loss.grad_fn.name() else "two-pass"
+
+
+def _expected_path(token_chunk_size, group_tokens):
+    return "one-pass" if token_chunk_size is None or token_chunk_size >= group_tokens else "two-pass"
+
+
 def _check_dpo(which, kwargs, inp, token_chunk_size=TINY_CHUNK, scale=1.0, tag=None):
+    """Ours against the reference at ``token_chunk_size`` and, when that splits pairs, also at whole pairs per chunk
+    (the one-pass path), checking which path ran."""
     ref_cls = _ref_cls("dpo", which)
-    ours = _run_dpo(ChunkedDPOLoss, dict(kwargs, token_chunk_size=token_chunk_size), inp, scale)
     ref = _run_dpo(ref_cls, dict(kwargs, compiled=False), inp, scale)
     tag = tag or f"dpo-{which}"
-    assert len(ours[1]) == len(ref[1]) == 7
-    for a, b in zip(ours[1], ref[1]):
-        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
-        assert not a.requires_grad
-    assert ours[0].dtype == ref[0].dtype and ours[0].shape == ref[0].shape
-    _compare(tag, ("loss",), (ours[0],), (ref[0],))
-    _compare(tag, DPO_METRICS, ours[1], ref[1])
-    _compare(tag, ("grad_hidden", "grad_weight", "grad_bias"), ours[2], ref[2])
+    pair_tokens = int((inp["target"] != kwargs.get("ignore_index", IGNORE)).sum(1).view(2, -1).sum(0).max())
+    for tcs in dict.fromkeys((token_chunk_size, max(PAIR_CHUNK, pair_tokens))):
+        ours = _run_dpo(ChunkedDPOLoss, dict(kwargs, token_chunk_size=tcs), inp, scale)
+        assert _path(ours[0]) == _expected_path(tcs, pair_tokens), (tcs, pair_tokens, ours[0].grad_fn)
+        assert len(ours[1]) == len(ref[1]) == 7
+        for a, b in zip(ours[1], ref[1]):
+            assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+            assert not a.requires_grad
+        assert ours[0].dtype == ref[0].dtype and ours[0].shape == ref[0].shape
+        _compare(tag, ("loss",), (ours[0],), (ref[0],))
+        _compare(tag, DPO_METRICS, ours[1], ref[1])
+        _compare(tag, ("grad_hidden", "grad_weight", "grad_bias"), ours[2], ref[2])
     return ours, ref
 
 
@@ -165,23 +181,25 @@ def test_dpo_single_pair_and_larger_vocab(which):
     _check_dpo(which, _dpo_kwargs("sigmoid", average_log_prob=True), inp, token_chunk_size=3)
 
 
-def test_dpo_average_fully_ignored_row_is_nan_like_liger():
+@pytest.mark.parametrize("token_chunk_size", [TINY_CHUNK, PAIR_CHUNK])
+def test_dpo_average_fully_ignored_row_is_nan_like_liger(token_chunk_size):
     ref_cls = _ref_cls("dpo", "liger")
     inp = make_inputs(seed=5, fully_ignored_row=True)
     kwargs = _dpo_kwargs("sigmoid", average_log_prob=True)
-    ours = _run_dpo(ChunkedDPOLoss, dict(kwargs, token_chunk_size=TINY_CHUNK), inp)
+    ours = _run_dpo(ChunkedDPOLoss, dict(kwargs, token_chunk_size=token_chunk_size), inp)
     ref = _run_dpo(ref_cls, dict(kwargs, compiled=False), inp)
     _compare("dpo-liger-nan", ("loss",), (ours[0],), (ref[0],))
     _compare("dpo-liger-nan", DPO_METRICS, ours[1], ref[1])
     assert torch.isnan(ours[0])
 
 
-def test_dpo_only_weight_requires_grad_and_no_grad_mode():
+@pytest.mark.parametrize("token_chunk_size", [TINY_CHUNK, PAIR_CHUNK])
+def test_dpo_only_weight_requires_grad_and_no_grad_mode(token_chunk_size):
     ref_cls = _ref_cls("dpo", "liger")
     inp = make_inputs(seed=9)
     kwargs = _dpo_kwargs("sigmoid", compute_nll_loss=True)
     res = []
-    for cls, extra in ((ChunkedDPOLoss, dict(token_chunk_size=TINY_CHUNK)), (ref_cls, dict(compiled=False))):
+    for cls, extra in ((ChunkedDPOLoss, dict(token_chunk_size=token_chunk_size)), (ref_cls, dict(compiled=False))):
         w = inp["weight"].clone().requires_grad_(True)
         loss, metrics = cls(**kwargs, **extra)(
             w, inp["hidden"], inp["target"], inp["bias"], inp["ref_hidden"], inp["ref_weight"], inp["ref_bias"]
@@ -197,7 +215,8 @@ def test_dpo_only_weight_requires_grad_and_no_grad_mode():
     _compare("dpo-liger-wonly", DPO_METRICS, a[4], b[4])
 
 
-def test_bf16_dpo_against_fp32_truth():
+@pytest.mark.parametrize("token_chunk_size", [TINY_CHUNK, PAIR_CHUNK, None], ids=["two-pass", "one-pass", "one-chunk"])
+def test_bf16_dpo_against_fp32_truth(token_chunk_size):
     """bf16 inputs: our result vs the fp32 truth (Liger fp32 on the same bf16-representable values).
 
     Tolerance: the GEMM inputs are bf16 (8-bit mantissa, unit round-off 2^-9 ~ 2e-3) and the per-chunk GEMM
@@ -212,7 +231,8 @@ def test_bf16_dpo_against_fp32_truth():
     inp32 = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inp16.items()}
     kwargs = _dpo_kwargs("sigmoid", compute_nll_loss=True)
     truth = _run_dpo(ref_cls, dict(kwargs, compiled=False), inp32)
-    ours = _run_dpo(ChunkedDPOLoss, dict(kwargs, token_chunk_size=TINY_CHUNK), inp16)
+    ours = _run_dpo(ChunkedDPOLoss, dict(kwargs, token_chunk_size=token_chunk_size), inp16)
+    assert _path(ours[0]) == _expected_path(token_chunk_size, PAIR_CHUNK)
     liger16 = _run_dpo(ref_cls, dict(kwargs, compiled=False), inp16)
     assert ours[0].dtype == liger16[0].dtype == torch.float32
     for g_o, g_l in zip(ours[2], liger16[2]):
@@ -247,19 +267,23 @@ def test_kto_parity(bias, use_ref, avg, kl_kind, which):
     labels = _kto_labels(batch)
     kl = {"none": None, "scalar": torch.tensor(0.37), "vector": torch.linspace(-0.5, 0.5, batch)}[kl_kind]
     kwargs = dict(beta=0.3, use_ref_model=use_ref, average_log_prob=avg)
-    ours = _run_kto(ChunkedKTOLoss, dict(kwargs, token_chunk_size=TINY_CHUNK), inp, labels, kl)
+    runs = [
+        _run_kto(ChunkedKTOLoss, dict(kwargs, token_chunk_size=tcs), inp, labels, kl) for tcs in (TINY_CHUNK, ROW_CHUNK)
+    ]
+    assert [_path(r[0]) for r in runs] == ["two-pass", "one-pass"]
     # A per-row (B,) kl is not chunked by the fused losses: each row chunk broadcasts its (1,) log-ratio against
     # the whole (B,) kl, so their result depends on chunk_size.  TRL only ever passes a scalar kl.  We apply a
     # (B,) kl row-wise, which is what the fused losses compute when the whole batch is one chunk.
     ref_chunk = dict(chunk_size=batch) if kl_kind == "vector" else {}
     ref = _run_kto(ref_cls, dict(kwargs, compiled=False, **ref_chunk), inp, labels, kl)
-    assert len(ours[1]) == len(ref[1]) == 6
-    for a, b in zip(ours[1], ref[1]):
-        assert a.shape == b.shape and a.dtype == b.dtype
     tag = f"kto-{which}"
-    _compare(tag, ("loss",), (ours[0],), (ref[0],))
-    _compare(tag, KTO_METRICS, ours[1], ref[1])
-    _compare(tag, ("grad_hidden", "grad_weight", "grad_bias"), ours[2], ref[2])
+    for ours in runs:
+        assert len(ours[1]) == len(ref[1]) == 6
+        for a, b in zip(ours[1], ref[1]):
+            assert a.shape == b.shape and a.dtype == b.dtype
+        _compare(tag, ("loss",), (ours[0],), (ref[0],))
+        _compare(tag, KTO_METRICS, ours[1], ref[1])
+        _compare(tag, ("grad_hidden", "grad_weight", "grad_bias"), ours[2], ref[2])
 
 
 @pytest.mark.parametrize("which", REFS)
@@ -271,10 +295,12 @@ def test_kto_noncontiguous_input_like_trl(which):
         inp[k] = inp[k][:, :-1]
     inp["target"] = make_target(4, 13, inp["weight"].shape[0], seed=41)
     labels = torch.tensor([True, False, False, True])
-    ours = _run_kto(ChunkedKTOLoss, dict(use_ref_model=True, token_chunk_size=3), inp, labels, torch.tensor(0.1))
     ref = _run_kto(ref_cls, dict(use_ref_model=True, compiled=False), inp, labels, torch.tensor(0.1))
-    _compare(f"kto-{which}", ("loss",) + KTO_METRICS, (ours[0],) + tuple(ours[1]), (ref[0],) + tuple(ref[1]))
-    _compare(f"kto-{which}", ("grad_hidden", "grad_weight", "grad_bias"), ours[2], ref[2])
+    for tcs in (3, ROW_CHUNK):
+        ours = _run_kto(ChunkedKTOLoss, dict(use_ref_model=True, token_chunk_size=tcs), inp, labels, torch.tensor(0.1))
+        assert _path(ours[0]) == _expected_path(tcs, ROW_CHUNK)
+        _compare(f"kto-{which}", ("loss",) + KTO_METRICS, (ours[0],) + tuple(ours[1]), (ref[0],) + tuple(ref[1]))
+        _compare(f"kto-{which}", ("grad_hidden", "grad_weight", "grad_bias"), ours[2], ref[2])
 
 
 # ------------------------------------------------------------------------------------ core, no reference

@@ -56,28 +56,39 @@ def _dpo(cls, x, **kw):
     return loss, metrics
 
 
-def _vh_allocations_in_backward(dtype, token_chunk_size):
-    x = leaf_copies(_dpo_inputs(dtype))
+def _vh_allocations_in_a_step(dtype, token_chunk_size, batch):
+    """(V, H)-sized allocations of one forward + backward, and the path that ran (the one-pass path makes its
+    weight gradient in the forward)."""
+    x = leaf_copies(_dpo_inputs(dtype, batch=batch))
     V, H = x["weight"].shape
-    loss, _ = _dpo(ChunkedDPOLoss, x, token_chunk_size=token_chunk_size, compute_nll_loss=True)
     with FreshAllocations() as mode:
+        loss, _ = _dpo(ChunkedDPOLoss, x, token_chunk_size=token_chunk_size, compute_nll_loss=True)
         loss.backward()
     assert x["weight"].grad.dtype == dtype and torch.isfinite(x["weight"].grad.float()).all()
-    return sum(1 for n in mode.sizes if n >= V * H)
+    path = "one-pass" if "OnePassLoss" in loss.grad_fn.name() else "two-pass"
+    return sum(1 for n in mode.sizes if n >= V * H), path
+
+
+# 18 loss tokens per row, 36 per pair: (chunk, batch) -> one chunk / one pair per chunk / 9+ chunks splitting pairs
+STEPS = {"one-pass, 1 chunk": (1000, 4), "one-pass, 4 chunks": (36, 8), "two-pass, 9 chunks": (8, 4)}
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_half_weight_gradient_has_no_per_chunk_vocab_by_hidden_temporary(dtype):
-    """72 loss tokens: 1 chunk vs 9 chunks.  The only (V, H)-sized allocation may be the returned gradient itself.
+    """Exactly one (V, H)-sized allocation in a forward + backward, whatever the path and the number of chunks:
+    the returned gradient itself (handed to ``.grad`` without a copy).
 
-    Before this change (bf16): 1 chunk -> 4, 9 chunks -> 20 (per chunk a (V, H) product and its fp32 copy, plus the
-    fp32 accumulator and the final cast): ~10 V H bytes at peak against Liger's ~4 V H.
+    Before the vocabulary blocks (bf16, two-pass): 1 chunk -> 4, 9 chunks -> 20 (per chunk a (V, H) product and its
+    fp32 copy, plus the fp32 accumulator and the final cast): ~10 V H bytes at peak against Liger's ~4 V H.  Zero
+    would mean the mode saw nothing (or no weight gradient was made), two a copy or an accumulator.
     """
-    one = _vh_allocations_in_backward(dtype, token_chunk_size=1000)
-    many = _vh_allocations_in_backward(dtype, token_chunk_size=8)
-    print(f"{dtype}: (V, H)-sized allocations in backward: 1 chunk {one}, 9 chunks {many}")
-    assert many == one, f"(V, H)-sized allocations grow with the number of chunks: {one} -> {many}"
-    assert one <= 1, f"{one} (V, H)-sized allocations in backward; only the returned gradient is allowed"
+    seen = {}
+    for name, (chunk, batch) in STEPS.items():
+        count, path = _vh_allocations_in_a_step(dtype, chunk, batch)
+        assert path == name.split(",")[0], (name, path)
+        seen[name] = count
+    print(f"{dtype}: (V, H)-sized allocations per step: {seen}")
+    assert all(n == 1 for n in seen.values()), f"(V, H)-sized allocations per step must be exactly 1: {seen}"
 
 
 # ------------------------------------------------------------------------------------------------- autocast
@@ -102,15 +113,20 @@ def _rounded(x, dtype):
     return {k: (v.to(dtype).float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()}
 
 
+# 18 loss tokens per row: 16 splits rows (two-pass path), 64 holds one pair per chunk (one-pass path)
+PATH_CHUNKS = pytest.mark.parametrize("token_chunk_size", [16, 64], ids=["two-pass", "one-pass"])
+
+
+@PATH_CHUNKS
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_autocast_is_the_same_as_casting_by_hand(dtype):
+def test_autocast_is_the_same_as_casting_by_hand(dtype, token_chunk_size):
     """Under autocast the loss must compute exactly what it computes on inputs cast to the autocast dtype.
 
     The old code stored the log-sum-exp of half-precision logits in forward and recomputed fp32 logits in backward
     (autocast is off there), so its softmax rows did not sum to one.
     """
     x = _rounded(_dpo_inputs(torch.float32, w_scale=1.5), dtype)  # logits ~ N(0, 10^2)
-    kw = dict(token_chunk_size=16, compute_nll_loss=True)
+    kw = dict(token_chunk_size=token_chunk_size, compute_nll_loss=True)
     auto = _loss_and_grads(ChunkedDPOLoss, x, autocast_dtype=dtype, **kw)
     hand = _loss_and_grads(
         ChunkedDPOLoss,
@@ -128,7 +144,8 @@ def _max_err(a, b):
     return (a.double() - b.double()).abs().max().item()
 
 
-def test_autocast_bf16_error_at_most_liger_s():
+@PATH_CHUNKS
+def test_autocast_bf16_error_at_most_liger_s(token_chunk_size):
     """torch.autocast("cpu", bf16), logit scale ~10: our error vs the fp32 truth <= 1.5x Liger's (same autocast)."""
     liger = load_reference("dpo", "liger")
     if liger is None:
@@ -136,7 +153,7 @@ def test_autocast_bf16_error_at_most_liger_s():
     x = _rounded(_dpo_inputs(torch.float32, w_scale=1.5), torch.bfloat16)
     kw = dict(compute_nll_loss=True)
     truth = _loss_and_grads(liger, x, compiled=False, **kw)
-    ours = _loss_and_grads(ChunkedDPOLoss, x, torch.bfloat16, token_chunk_size=16, **kw)
+    ours = _loss_and_grads(ChunkedDPOLoss, x, torch.bfloat16, token_chunk_size=token_chunk_size, **kw)
     ref = _loss_and_grads(liger, x, torch.bfloat16, compiled=False, **kw)
     bad = []
     for name, o, r, t in zip(NAMES, ours, ref, truth):
@@ -147,7 +164,8 @@ def test_autocast_bf16_error_at_most_liger_s():
     assert not bad, "\n".join(bad)
 
 
-def test_autocast_kto_forward_backward_consistent():
+@PATH_CHUNKS
+def test_autocast_kto_forward_backward_consistent(token_chunk_size):
     x = _rounded(_dpo_inputs(torch.float32, batch=4, w_scale=1.5), torch.bfloat16)
     labels = torch.tensor([True, False, True, False])
 
@@ -155,7 +173,7 @@ def test_autocast_kto_forward_backward_consistent():
         inp = leaf_copies(inp)
         ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
         with ctx:
-            loss, _ = call_kto(ChunkedKTOLoss(use_ref_model=True, token_chunk_size=16), inp, labels)
+            loss, _ = call_kto(ChunkedKTOLoss(use_ref_model=True, token_chunk_size=token_chunk_size), inp, labels)
         loss.backward()
         return loss, inp["hidden"].grad, inp["weight"].grad
 

@@ -44,6 +44,8 @@ import functools
 
 import torch
 
+from . import _onepass
+
 __all__ = [
     "ChunkedLinearLoss",
     "DEFAULT_MAX_CHUNK_ELEMENTS",
@@ -301,6 +303,34 @@ def _backward_chunks(hidden2d, weight, bias, positions, labels, lse, grad_logp, 
     return grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype)
 
 
+def select_tokens(hidden, target, ignore_index):
+    """``(hidden2d, positions, labels, rows, counts)``: the non-ignored flat positions, their labels and batch rows,
+    and the number of non-ignored tokens per row (see :func:`token_logprobs`)."""
+    if hidden.dim() != 3 or target.dim() != 2 or hidden.shape[:2] != target.shape:
+        raise ValueError(
+            f"expected hidden states of shape (B, L, H) and target of shape (B, L); got {tuple(hidden.shape)} "
+            f"and {tuple(target.shape)}"
+        )
+    B, L, H = hidden.shape
+    mask = target != ignore_index
+    positions = mask.reshape(-1).nonzero().squeeze(1)
+    labels = target.reshape(-1).index_select(0, positions)
+    rows = torch.div(positions, L, rounding_mode="floor") if L > 0 else positions
+    return hidden.reshape(B * L, H), positions, labels, rows, mask.sum(dim=1)
+
+
+def _chunking(hidden, weight, token_chunk_size):
+    cdtype = compute_dtype(hidden, weight)
+    budget = logits_budget_bytes(hidden.device)
+    chunk = resolve_token_chunk_size(token_chunk_size, weight.shape[0], hidden.device, cdtype, budget)
+    return chunk, cdtype, budget
+
+
+def _needs_grad(hidden, weight, bias) -> bool:
+    needs = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    return torch.is_grad_enabled() and needs
+
+
 def token_logprobs(hidden, weight, bias, target, ignore_index, token_chunk_size=None):
     """Per-token target log-probs of the non-ignored positions.
 
@@ -314,24 +344,9 @@ def token_logprobs(hidden, weight, bias, target, ignore_index, token_chunk_size=
         grad mode is on), ``rows`` int64 ``(N,)`` the batch row of every selected token, ``counts``
         int64 ``(B,)`` the number of non-ignored tokens per row.
     """
-    if hidden.dim() != 3 or target.dim() != 2 or hidden.shape[:2] != target.shape:
-        raise ValueError(
-            f"expected hidden states of shape (B, L, H) and target of shape (B, L); got {tuple(hidden.shape)} "
-            f"and {tuple(target.shape)}"
-        )
-    B, L, H = hidden.shape
-    cdtype = compute_dtype(hidden, weight)
-    budget = logits_budget_bytes(hidden.device)
-    chunk = resolve_token_chunk_size(token_chunk_size, weight.shape[0], hidden.device, cdtype, budget)
-    mask = target != ignore_index
-    flat_mask = mask.reshape(-1)
-    positions = flat_mask.nonzero().squeeze(1)
-    labels = target.reshape(-1).index_select(0, positions)
-    rows = torch.div(positions, L, rounding_mode="floor") if L > 0 else positions
-    counts = mask.sum(dim=1)
-    hidden2d = hidden.reshape(B * L, H)
-    needs_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    if torch.is_grad_enabled() and needs_grad:
+    hidden2d, positions, labels, rows, counts = select_tokens(hidden, target, ignore_index)
+    chunk, cdtype, budget = _chunking(hidden, weight, token_chunk_size)
+    if _needs_grad(hidden, weight, bias):
         logp = TokenLogProbs.apply(hidden2d, weight, bias, positions, labels, chunk, cdtype, budget)
     else:
         with torch.no_grad(), _no_autocast(hidden.device):
@@ -376,10 +391,31 @@ class ChunkedLinearLoss(torch.nn.Module):
         self.chunk_size = chunk_size  # accepted for drop-in compatibility; token_chunk_size bounds memory
         self.token_chunk_size = token_chunk_size
 
+    def averaged(self, sums, counts):
+        """Per-sequence log-probs from the per-row sums: ÷ token count with ``average_log_prob``."""
+        return sums / counts if self.average_log_prob else sums  # 0/0 -> NaN for a fully ignored row, as in Liger
+
     def sequence_logps(self, hidden, weight, bias, target):
         """``(per-sequence log-prob, per-token log-probs, their rows, non-ignored tokens per row)``."""
         logp, rows, counts = token_logprobs(hidden, weight, bias, target, self.ignore_index, self.token_chunk_size)
-        seq = sequence_sums(logp, rows, target.shape[0])
-        if self.average_log_prob:
-            seq = seq / counts  # 0/0 -> NaN for a fully ignored row, as in Liger
-        return seq, logp, rows, counts
+        return self.averaged(sequence_sums(logp, rows, target.shape[0]), counts), logp, rows, counts
+
+    def one_pass(self, hidden, weight, bias, target, group_of_row, loss_of_sums):
+        """``(loss, per-row sums S, counts)`` with the gradients made in the forward (``_onepass``), or ``None``.
+
+        ``loss_of_sums(S, counts)`` is the loss as a function of the raw per-row sums of token log-probs; it must be
+        a sum of terms each reading only the rows of one group (``group_of_row``, ``(B,)`` int64).  ``None`` (the
+        caller takes the two-pass path) when no gradient is needed or one group has more tokens than a chunk.
+        """
+        if not _needs_grad(hidden, weight, bias):
+            return None
+        hidden2d, positions, labels, rows, counts = select_tokens(hidden, target, self.ignore_index)
+        cfg = _chunking(hidden, weight, self.token_chunk_size)
+        plan = _onepass.group_chunks(rows, group_of_row, cfg[0])
+        if plan is None:
+            return None
+        loss, sums = _onepass.OnePassLoss.apply(
+            hidden2d, weight, bias, positions, labels, rows, *plan, target.shape[0],
+            lambda s: loss_of_sums(s, counts), cfg,
+        )  # fmt: skip
+        return loss, sums, counts

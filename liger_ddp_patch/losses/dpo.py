@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from ._core import ChunkedLinearLoss, row_logit_sums
 from ._core import check_reference as _check_reference
 
-__all__ = ["ChunkedDPOLoss", "dpo_preference_loss", "SUPPORTED_DPO_LOSS_TYPES"]
+__all__ = ["ChunkedDPOLoss", "dpo_preference_loss", "ONE_PASS_DPO_LOSS_TYPES", "SUPPORTED_DPO_LOSS_TYPES"]
 
 SUPPORTED_DPO_LOSS_TYPES = (
     "sigmoid",
@@ -65,6 +65,13 @@ SUPPORTED_DPO_LOSS_TYPES = (
     "apo_down",
     "discopop",
 )
+
+# Loss types whose batch loss is a sum of per-pair terms, each a function of its own pair's (r_w, r_l) only: every
+# formula in the module docstring is elementwise over pairs before ``.sum() / P`` (no batch mean, no ranking, no
+# running statistic), so all ten take the one-pass path (``_onepass``; checked by
+# tests/test_losses_onepass.py::test_every_one_pass_loss_type_is_pair_separable).  A type that coupled pairs
+# would be left out here and keep the two-pass path.
+ONE_PASS_DPO_LOSS_TYPES = SUPPORTED_DPO_LOSS_TYPES
 
 
 def _check_options(loss_type: str, label_smoothing: float) -> None:
@@ -206,35 +213,55 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
         n_pairs = batch // 2
         vocab = lin_weight.shape[0]
 
-        seq, logp, rows, counts = self.sequence_logps(_input, lin_weight, bias, target)
-        chosen_logps, rejected_logps = seq[:n_pairs], seq[n_pairs:]
-
-        if self.compute_nll_loss:
-            chosen_tok = (rows < n_pairs).to(logp.dtype)
-            nll = -(logp * chosen_tok).sum() / counts[:n_pairs].sum()
-        else:
-            # Liger returns 0.0 / count here; we return a plain 0 (Liger's is NaN when every chosen row is
-            # fully ignored, which would poison the loss even without the NLL term).
-            nll = torch.zeros((), dtype=torch.float32, device=_input.device)
-
         ref_chosen = ref_rejected = None
         if self.use_ref_model:
             with torch.no_grad():
                 ref_seq, _, _, _ = self.sequence_logps(ref_input, ref_weight, ref_bias, target)
             ref_chosen, ref_rejected = ref_seq[:n_pairs], ref_seq[n_pairs:]
 
-        pref_loss, chosen_rewards, rejected_rewards = dpo_preference_loss(
-            chosen_logps,
-            rejected_logps,
-            ref_chosen,
-            ref_rejected,
-            n_pairs,
-            beta=self.beta,
-            loss_type=self.loss_type,
-            label_smoothing=self.label_smoothing,
-            discopop_tau=self.discopop_tau,
-        )
-        loss = self.alpha * nll + pref_loss if self.compute_nll_loss else pref_loss
+        def preference(seq):
+            return dpo_preference_loss(
+                seq[:n_pairs],
+                seq[n_pairs:],
+                ref_chosen,
+                ref_rejected,
+                n_pairs,
+                beta=self.beta,
+                loss_type=self.loss_type,
+                label_smoothing=self.label_smoothing,
+                discopop_tau=self.discopop_tau,
+            )
+
+        def nll_of_sums(sums, counts):  # -(chosen token log-probs) / #chosen tokens: linear in the chosen row sums
+            return -sums[:n_pairs].sum() / counts[:n_pairs].sum()
+
+        def loss_of_sums(sums, counts):  # a sum over pairs (rows i and i + P): see ONE_PASS_DPO_LOSS_TYPES
+            pref = preference(self.averaged(sums, counts))[0]
+            return self.alpha * nll_of_sums(sums, counts) + pref if self.compute_nll_loss else pref
+
+        one = None
+        if self.loss_type in ONE_PASS_DPO_LOSS_TYPES and batch == 2 * n_pairs > 0:
+            pair = torch.arange(batch, device=target.device) % n_pairs
+            one = self.one_pass(_input, lin_weight, bias, target, pair, loss_of_sums)
+        if one is not None:
+            loss, sums, counts = one
+            with torch.no_grad():
+                seq = self.averaged(sums, counts)
+                _, chosen_rewards, rejected_rewards = preference(seq)
+                nll = nll_of_sums(sums, counts) if self.compute_nll_loss else None
+        else:
+            seq, logp, rows, counts = self.sequence_logps(_input, lin_weight, bias, target)
+            nll = None
+            if self.compute_nll_loss:
+                chosen_tok = (rows < n_pairs).to(logp.dtype)
+                nll = -(logp * chosen_tok).sum() / counts[:n_pairs].sum()
+            pref_loss, chosen_rewards, rejected_rewards = preference(seq)
+            loss = self.alpha * nll + pref_loss if self.compute_nll_loss else pref_loss
+        if nll is None:
+            # Liger returns 0.0 / count here; we return a plain 0 (Liger's is NaN when every chosen row is
+            # fully ignored, which would poison the loss even without the NLL term).
+            nll = torch.zeros((), dtype=torch.float32, device=_input.device)
+        chosen_logps, rejected_logps = seq[:n_pairs], seq[n_pairs:]
 
         row_sums = row_logit_sums(_input, lin_weight, bias)
         denom = float(n_pairs * seq_len * vocab)

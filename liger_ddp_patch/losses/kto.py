@@ -102,16 +102,27 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
             raise AssertionError("preference_labels must be provided for unpaired preference loss")
         _check_reference(self.use_ref_model, ref_input, ref_weight)
         labels = preference_labels.to(device=_input.device, dtype=torch.bool)
-        logps = self.sequence_logps(_input, lin_weight, bias, target)[0]
         ref_logps = None
         if self.use_ref_model:
             with torch.no_grad():
                 ref_logps = self.sequence_logps(ref_input, ref_weight, ref_bias, target)[0]
         if kl is not None and isinstance(kl, torch.Tensor):
             kl = kl.detach()
-        loss, chosen_rewards_sum, rejected_rewards_sum = kto_preference_loss(
-            logps, labels, ref_logps, beta=self.beta, kl=kl
-        )
+
+        def kto(logps):
+            return kto_preference_loss(logps, labels, ref_logps, beta=self.beta, kl=kl)
+
+        # every row is its own group: loss_i reads only logp_i (kl is a detached batch constant)
+        rows = torch.arange(target.shape[0], device=target.device)
+        one = self.one_pass(_input, lin_weight, bias, target, rows, lambda s, c: kto(self.averaged(s, c))[0])
+        if one is not None:
+            loss, sums, counts = one
+            with torch.no_grad():
+                logps = self.averaged(sums, counts)
+                _, chosen_rewards_sum, rejected_rewards_sum = kto(logps)
+        else:
+            logps = self.sequence_logps(_input, lin_weight, bias, target)[0]
+            loss, chosen_rewards_sum, rejected_rewards_sum = kto(logps)
         with torch.no_grad():
             lg = logps.detach()
             chosen_logps_sum = (lg * labels).sum()
