@@ -15,6 +15,7 @@ from liger_ddp_patch.demo import PACKAGE_ROOT, PROBE, run_probe_two_nodes
 pytestmark = pytest.mark.ddp
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "sitecustomize_example")
+PARAMS = 25  # the tiny model's parameters, every one with a gradient: "0 differing" must cover all of them
 
 
 def env_with(pythonpath: list[str], **extra: str) -> dict:
@@ -42,6 +43,7 @@ def test_accelerate_launch(tiny_small, tmp_path, injected):
     env = env_with([EXAMPLE] if injected else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     result = read(out, [proc])
+    assert result["params"] == PARAMS, result
     if injected:
         assert (result["differing"], result["max_abs_diff"], result["loss_class"]) == (0, 0.0, "ChunkedDPOLoss"), result
     else:
@@ -55,6 +57,7 @@ def test_two_node_torchrun_on_loopback(tiny_small, tmp_path, injected):
     result, logs = run_probe_two_nodes(tiny_small, tmp_path, env_with([]), prefix=prefix)
     assert result is not None, logs[-5000:]
     (run,) = result["results"]
+    assert run["params"] == PARAMS, run
     if injected:
         assert (run["differing"], run["max_abs_diff"]) == (0, 0.0), run
     else:

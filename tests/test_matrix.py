@@ -27,6 +27,7 @@ from liger_ddp_patch.patches import trl_versions as tv
 pytestmark = [pytest.mark.ddp, pytest.mark.matrix]
 
 ROOT = Path(__file__).resolve().parents[1]
+PARAMS = 25  # the tiny model's parameters, every one with a gradient: "0 differing" must cover all of them
 FULL = os.environ.get("LIGER_DDP_PATCH_FULL_MATRIX") == "1"
 HOW = "run `.ci/trl_matrix.sh` (or set LIGER_DDP_PATCH_TRL_DIRS / LIGER_DDP_PATCH_LIGER_DIRS)"
 
@@ -75,20 +76,22 @@ def _check_pair(version: str, unpatched: dict, patched: dict) -> None:
         b, a = before[kind], after[kind]
         if line.unpatched == "unsynced":
             assert "error" not in b and b["differing"] > 0, f"{kind}: the bug did not show unpatched: {b}"
+            assert b["params"] == PARAMS, b
         elif line.unpatched == "crash":
             attribute = re.search(r"no attribute '(\w+)'", line.broken).group(1)
             assert b.get("error", "").startswith("AttributeError") and "DistributedDataParallel" in b["error"], b
             assert f"'{attribute}'" in b["error"], (attribute, b["error"])
         if line.patched:
             assert "error" not in a, f"{kind} patched crashed: {a.get('trace', a['error'])}"
-            assert a["differing"] == 0 and a["params"] > 0, f"{kind}: gradients differ patched: {a}"
+            assert a["params"] == PARAMS, f"{kind}: not every parameter got a gradient patched: {a}"
+            assert a["differing"] == 0, f"{kind}: gradients differ patched: {a}"
             assert a["loss_class"].startswith("Chunked"), a
         else:  # fixed upstream: the patched-import run behaves exactly like the unpatched one
             assert a.get("error") == b.get("error"), (b, a)  # 1.15.0 stops in Triton on CPU, either way alike
             if "error" not in a:
                 for key in ("params", "differing", "max_abs_diff", "loss_class"):
                     assert a[key] == b[key], (kind, key, b, a)
-                assert a["differing"] == 0
+                assert (a["params"], a["differing"]) == (PARAMS, 0), a
 
 
 @pytest.mark.parametrize("version", tv.RELEASES)
