@@ -167,12 +167,17 @@ def fsdp2(module):
 @pytest.mark.parametrize("spec", SPECS, ids=[s.name for s in SPECS])
 @pytest.mark.parametrize(
     ("wrap", "decision"),
-    [(fsdp, "FullyShardedDataParallel: left to TRL"), (fsdp2, "no wrapper: left to TRL")],
-    ids=["FSDP", "FSDP2"],
+    [
+        (fsdp, "FullyShardedDataParallel: left to TRL"),
+        (fsdp2, "no wrapper: left to TRL"),  # what the report says for FSDP2: the model is its own unwrapped model
+        (nn.DataParallel, "DataParallel: left to TRL"),  # built here without GPUs, the same object a GPU job hands on
+    ],
+    ids=["FSDP", "FSDP2", "DataParallel"],
 )
-def test_fsdp_reaches_trls_compute_loss_untouched(process_group, spec, wrap, decision):
-    """FSDP reduces gradients through its own hooks and TRL redirects FSDP itself: the original gets the very model,
-    the very inputs and arguments, its result comes back as is, no wrapper forward runs and the loss object stays."""
+def test_other_wrappers_reach_trls_compute_loss_untouched(process_group, spec, wrap, decision):
+    """FSDP reduces gradients through its own hooks and TRL redirects FSDP itself; DataParallel must not be entered
+    (see route()): the original gets the very model, the very inputs and arguments, its result comes back as is, no
+    wrapper forward runs and TRL's loss object stays."""
     model = wrap(Tiny())
     seen = call_replacement(spec, model)
     assert len(seen.calls) == 1, seen.calls
