@@ -19,3 +19,11 @@ def tiny_small(tmp_path_factory):
     from liger_ddp_patch.demo.tiny import build
 
     return build(tmp_path_factory.mktemp("tiny-small"), vocab_size=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_tied(tmp_path_factory):
+    """The 64-token model with the LM head tied to the input embedding (as Qwen3-0.6B and Llama-3.2-1B have)."""
+    from liger_ddp_patch.demo.tiny import build
+
+    return build(tmp_path_factory.mktemp("tiny-tied"), vocab_size=64, tied=True)

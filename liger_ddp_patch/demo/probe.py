@@ -18,6 +18,7 @@ import argparse
 import functools
 import json
 import os
+import sys
 import tempfile
 import traceback
 
@@ -356,9 +357,10 @@ def main(argv: list[str] | None = None) -> None:
                 results.append({"trainer": kind, "config": name, "arm": arm, "error": error,
                                 "trace": traceback.format_exc()})  # fmt: skip
                 if rank == 0:
-                    print(f"[probe] {tag(name, arm)} failed: {error.splitlines()[0][:200]}", flush=True)
-
-    import sys
+                    # stderr, where the package logs: the order of the two lines is the order of the events
+                    print(
+                        f"[probe] {tag(name, arm)} failed: {error.splitlines()[0][:200]}", file=sys.stderr, flush=True
+                    )
 
     report = None
     if "liger_ddp_patch" in sys.modules:
