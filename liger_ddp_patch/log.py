@@ -11,6 +11,7 @@ import os
 
 NAME = "liger_ddp_patch"
 _announced = False
+_warned: set = set()  # the keys warn_once has emitted in this process
 
 
 def is_main_process() -> bool:
@@ -48,3 +49,11 @@ def announce(message: str, *args: object) -> None:
         return
     _announced = True
     emit(20, message, *args)  # logging.INFO, without importing logging on the hot path
+
+
+def warn_once(key: object, message: str, *args: object) -> None:
+    """A WARNING line, once per process for each ``key`` (rank 0 only)."""
+    if key in _warned:
+        return
+    _warned.add(key)
+    emit(30, message, *args)  # logging.WARNING

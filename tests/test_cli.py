@@ -19,10 +19,11 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def test_status_json_resolves_pending_and_reports_every_patch():
-    """The pinned TRL (1.12.0) is affected and has the shapes we fix: all four apply, exit code 0."""
+    """The pinned TRL (1.12.0) is affected and has the shapes we fix: all six apply, exit code 0."""
     proc = cli("status", "--json")
     rows = {row["name"]: row for row in json.loads(proc.stdout)}
-    assert set(rows) == {"dpo_compute_loss", "kto_compute_loss", "dpo_chunked_loss", "kto_chunked_loss"}
+    assert set(rows) == {"dpo_compute_loss", "kto_compute_loss", "dpo_chunked_loss", "kto_chunked_loss",
+                         "dpo_liger_settings", "kto_liger_settings"}  # fmt: skip
     import trl
 
     for row in rows.values():
@@ -36,14 +37,14 @@ def test_status_exits_1_when_a_patch_cannot_apply(tmp_path):
 
     proc = cli("status", env={"PYTHONPATH": str(fake_release(tmp_path, "1.8.0", "1.16.0"))})
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stdout.count("unsupported") == 4, proc.stdout
+    assert proc.stdout.count("unsupported") == 6, proc.stdout
 
 
 def test_status_table_says_disabled():
     proc = cli("status", env={"LIGER_DDP_PATCH_DISABLE": "1"})
     assert proc.returncode == 0
     lines = [line for line in proc.stdout.splitlines() if "disabled by LIGER_DDP_PATCH_DISABLE" in line]
-    assert len(lines) == 4
+    assert len(lines) == 6
 
 
 def test_status_json_single_name_disabled():
@@ -51,6 +52,13 @@ def test_status_json_single_name_disabled():
     statuses = {row["name"]: row["status"] for row in rows}
     assert statuses["dpo_chunked_loss"] == "disabled"
     assert statuses["dpo_compute_loss"] != "disabled"
+
+
+def test_status_json_liger_settings_disabled_by_name():
+    rows = json.loads(cli("status", "--json", env={"LIGER_DDP_PATCH_DISABLE": "kto_liger_settings"}).stdout)
+    statuses = {row["name"]: row["status"] for row in rows}
+    assert statuses["kto_liger_settings"] == "disabled"
+    assert statuses["dpo_liger_settings"] == statuses["kto_compute_loss"] == "applied"
 
 
 def test_run_puts_the_bootstrap_first_and_execs():

@@ -306,3 +306,31 @@ def test_run_time_notes_are_kept_once_each_in_order(fakelib, monkeypatch):
         engine.note("fix_step", "Trainer", decision)
     assert status(engine).runtime == {"Trainer": ["routed", "left alone"]}
     assert status(engine).as_dict()["runtime"] == {"Trainer": ["routed", "left alone"]}
+
+
+def test_a_dunder_init_is_hooked_and_unpatch_restores_it(fakelib, monkeypatch):
+    """The *_liger_settings records wrap ``Trainer.__init__``: instances built after import run the replacement,
+    a subclass calling ``super().__init__`` too, and unpatch() puts the very same function back."""
+    name = fakelib(
+        "class Trainer:\n    def __init__(self, x):\n        self.x = x\n\n"
+        "class Child(Trainer):\n    def __init__(self, x):\n        super().__init__(x)\n"
+    )
+
+    def replace(original, engine):
+        def __init__(self, x):
+            engine.note("init", type(self).__name__, f"saw {x}")
+            original(self, x)
+
+        return __init__
+
+    engine, mod = run(
+        name, "1.12.0", monkeypatch, name="init", attribute=("Trainer.__init__",), check=lambda o: None,
+        replace=replace,
+    )  # fmt: skip
+    original = engine.original("init")
+    assert mod.Trainer(1).x == 1 and mod.Child(2).x == 2
+    assert status(engine).runtime == {"Trainer": ["saw 1"], "Child": ["saw 2"]}
+    engine.unpatch()
+    assert mod.Trainer.__dict__["__init__"] is original
+    mod.Trainer(3)
+    assert status(engine).runtime == {"Trainer": ["saw 1"], "Child": ["saw 2"]}

@@ -1,9 +1,10 @@
-"""The patch records, two per trainer spec: route its compute_loss under DDP, and arm the swap of its fused loss."""
+"""The patch records, three per trainer spec: route its compute_loss under DDP, arm the swap of its fused loss, and
+say which of the user's settings TRL's Liger path drops (a warning only)."""
 
 from __future__ import annotations
 
 from ..engine import Patch
-from . import chunked_loss, compute_loss, trl_versions
+from . import chunked_loss, compute_loss, settings_warning, trl_versions
 from .trainers import SPECS, TrainerSpec
 
 # Releases whose trainer code we have read, the affected range and the fix: a release outside RELEASES is "unknown",
@@ -13,7 +14,7 @@ _TRL = dict(
 )
 
 
-def records(spec: TrainerSpec) -> tuple[Patch, Patch]:
+def records(spec: TrainerSpec) -> tuple[Patch, Patch, Patch]:
     label, ours = spec.name.upper(), spec.loss.partition(":")[2]
     return (
         Patch(
@@ -34,6 +35,15 @@ def records(spec: TrainerSpec) -> tuple[Patch, Patch]:
             replace=None,  # armed: the compute_loss patch swaps a DDP trainer's loss object at run time
             requires=("liger_kernel",),  # 1.0.0-1.12.0 import the fused loss only when liger-kernel is installed
             summary=f"swaps the fused loss of {label} trainers that run under DistributedDataParallel for {ours}",
+            **_TRL,
+        ),
+        Patch(
+            name=spec.liger_settings_patch,
+            module=spec.hooked_modules,
+            attribute=(f"{spec.trainer}.__init__",),
+            check=settings_warning.checker(spec),
+            replace=settings_warning.replacer(spec),
+            summary=f"warns once per setting that TRL's Liger {label} loss drops; changes nothing",
             **_TRL,
         ),
     )

@@ -41,6 +41,10 @@ class TrainerSpec(NamedTuple):
         return f"{self.name}_chunked_loss"
 
     @property
+    def liger_settings_patch(self) -> str:
+        return f"{self.name}_liger_settings"
+
+    @property
     def hooked_modules(self) -> tuple[str, ...]:
         """Every module that defines the class in some release, newest first (a record hooks all of them)."""
         return tuple(dict.fromkeys(module for _, module in reversed(self.modules)))

@@ -1,0 +1,318 @@
+"""What TRL's Liger path drops (``liger_ddp_patch.patches.liger_settings``), proven by runs on each release's code.
+
+One subprocess per TRL release (``tests/_settings_probe.py``, two at a time) builds DPO/KTO trainers with
+``use_liger_kernel=True`` and one setting each, fp32 on a 64-token tiny Qwen3 (explicit reference model: a second
+tiny model, so the log-ratios are not zero), and reports TRL's own Liger loss and, on the same trainer and batch,
+TRL's non-Liger loss. For every fact row, in a release that drops the setting: the Liger loss is bit for bit the one
+without the setting while the non-Liger loss moves, and the package warns exactly once for it; in a release that does
+not drop it: no warning, and the setting either stops the build/loss or moves the Liger loss. The expectations are
+read from the rows, and pinned literally for 1.12.0 and 1.13.0 so that a deleted row fails here too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+from test_versions import ROOT, require
+
+from liger_ddp_patch import log
+from liger_ddp_patch.patches import liger_settings as ls
+from liger_ddp_patch.patches import settings_warning
+from liger_ddp_patch.patches.trainers import DPO, KTO
+
+# The releases whose Liger path runs in one process on CPU, one per line of tests/matrix.py and per fact boundary.
+RELEASES = ("1.0.0", "1.5.0", "1.6.0", "1.8.0", "1.9.0", "1.12.0", "1.13.0", "1.14.0")
+
+CASES: list[dict] = [
+    {"id": "dpo-base", "kind": "dpo"},
+    # values the non-Liger path does nothing with: never a warning
+    {"id": "dpo-neutral", "kind": "dpo",
+     "config": {"ld_alpha": 1.0, "loss_weights": [1.0], "label_smoothing": 0.2, "discopop_tau": 0.5}},
+    {"id": "dpo-weighting", "kind": "dpo", "config": {"use_weighting": True}},
+    {"id": "dpo-ld_alpha", "kind": "dpo", "config": {"ld_alpha": 0.5}},
+    {"id": "dpo-loss_weights", "kind": "dpo", "config": {"loss_weights": [2.0]}},
+    {"id": "dpo-f_divergence", "kind": "dpo", "config": {"f_divergence_type": "forward_kl"}},
+    {"id": "dpo-robust-base", "kind": "dpo", "config": {"loss_type": "robust"}},
+    {"id": "dpo-robust", "kind": "dpo", "config": {"loss_type": "robust", "label_smoothing": 0.2}},
+    {"id": "dpo-discopop-base", "kind": "dpo", "config": {"loss_type": "discopop"}},
+    {"id": "dpo-discopop", "kind": "dpo", "config": {"loss_type": "discopop", "discopop_tau": 0.5}},
+    {"id": "dpo-exo", "kind": "dpo", "config": {"loss_type": "exo_pair", "label_smoothing": 0.001}},
+    {"id": "dpo-exo-big", "kind": "dpo", "config": {"loss_type": "exo_pair", "label_smoothing": 0.1}},
+    {"id": "kto-base", "kind": "kto"},
+    {"id": "kto-desirable", "kind": "kto", "config": {"desirable_weight": 3.0}},
+    {"id": "kto-desirable-again", "kind": "kto", "config": {"desirable_weight": 3.0}, "keep_warned": True},
+    {"id": "kto-undesirable", "kind": "kto", "config": {"undesirable_weight": 0.5}},
+    {"id": "kto-peft", "kind": "kto", "peft": True, "perturb_ref": True},
+    {"id": "kto-scenario", "kind": "kto", "peft": True, "config": {"desirable_weight": 3.0}},  # the issue's user
+]  # fmt: skip
+CONTROL = ["dpo-weighting", "kto-peft"]  # run again after unpatch(): nothing may move
+
+# fact -> (the case that sets it, what it is compared with: a case without it, or "after" the reference moved)
+PROOF = {
+    "label_smoothing (loss_type='robust')": ("dpo-robust", "dpo-robust-base"),
+    "label_smoothing (loss_type='exo_pair')": ("dpo-exo", "dpo-exo-big"),
+    "discopop_tau (loss_type='discopop')": ("dpo-discopop", "dpo-discopop-base"),
+    "use_weighting": ("dpo-weighting", "dpo-base"),
+    "ld_alpha": ("dpo-ld_alpha", "dpo-base"),
+    "loss_weights": ("dpo-loss_weights", "dpo-base"),
+    "f_divergence_type": ("dpo-f_divergence", "dpo-base"),
+    "desirable_weight": ("kto-desirable", "kto-base"),
+    "undesirable_weight": ("kto-undesirable", "kto-base"),
+    "reference under PEFT (no ref_model)": ("kto-peft", "after"),
+}
+# Which facts each case sets (the scenario sets two).
+SETS = {case: [fact] for fact, (case, _) in PROOF.items()} | {
+    "dpo-exo-big": ["label_smoothing (loss_type='exo_pair')"],  # the other exo_pair value: also set
+    "kto-desirable-again": ["desirable_weight"],
+    "kto-scenario": ["desirable_weight", "reference under PEFT (no ref_model)"],
+}
+
+# Written out by hand from the wheels, so that deleting or narrowing a row fails here (case -> settings warned).
+PINNED = {
+    "1.12.0": {
+        "dpo-weighting": ["use_weighting"], "dpo-ld_alpha": ["ld_alpha"], "dpo-loss_weights": ["loss_weights"],
+        "dpo-robust": ["label_smoothing (loss_type='robust')"],
+        "dpo-discopop": ["discopop_tau (loss_type='discopop')"],
+        "dpo-exo": ["label_smoothing (loss_type='exo_pair')"],
+        "dpo-exo-big": ["label_smoothing (loss_type='exo_pair')"],
+        "kto-desirable": ["desirable_weight"], "kto-undesirable": ["undesirable_weight"],
+        "kto-peft": ["reference under PEFT (no ref_model)"],
+        "kto-scenario": ["desirable_weight", "reference under PEFT (no ref_model)"],
+    },
+    "1.13.0": {"dpo-weighting": ["use_weighting"], "dpo-ld_alpha": ["ld_alpha"], "dpo-loss_weights": ["loss_weights"]},
+}  # fmt: skip
+SCENARIO = {  # what a KTO + LoRA (PeftModel, no ref_model) + desirable_weight=3.0 user reads
+    "1.12.0": [
+        "liger_ddp_patch: KTOTrainer (TRL 1.12.0, use_liger_kernel=True) ignores desirable_weight=3.0: the Liger KTO "
+        "loss has no class weights; TRL 1.13 rejects this combination. Set use_liger_kernel=False to apply it.",
+        "liger_ddp_patch: KTOTrainer (TRL 1.12.0, use_liger_kernel=True) ignores the reference model (PEFT model, no "
+        "ref_model): the Liger KTO loss is built with use_ref_model=False, so it is reference-free although TRL "
+        "computes the reference (the adapter switched off, or its 'ref' copy); TRL 1.13 uses the reference. Upgrade "
+        "to TRL 1.13, pass a ref_model, or set use_liger_kernel=False.",
+    ],
+    "1.13.0": [],
+}
+FACT = {fact.setting: fact for fact in ls.FACTS}
+TRAINER = {"dpo": DPO.trainer, "kto": KTO.trainer}
+
+
+@pytest.fixture(scope="module")
+def probes(request, tmp_path_factory):
+    """Every release this session selected, probed two at a time (one interpreter each): version -> future."""
+    from liger_ddp_patch.demo.tiny import build
+
+    folder = tmp_path_factory.mktemp("settings")
+    assets, ref_assets = build(folder / "model", vocab_size=64), build(folder / "ref", vocab_size=64, seed=1)
+    cases = folder / "cases.json"
+    cases.write_text(json.dumps({"cases": CASES, "control": CONTROL}))
+    wanted = [
+        item.callspec.params["version"]
+        for item in request.session.items
+        if item.module is request.module and "version" in getattr(getattr(item, "callspec", None), "params", {})
+    ]
+
+    def probe(version: str) -> dict:
+        out = folder / f"{version}.json"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(require(version)), str(ROOT)])}
+        for name in ("LIGER_DDP_PATCH_DISABLE", "LIGER_DDP_PATCH_STRICT", "RANK", "LOCAL_RANK"):
+            env.pop(name, None)
+        command = [sys.executable, str(ROOT / "tests" / "_settings_probe.py"), str(cases), str(out), str(assets)]
+        proc = subprocess.run([*command, str(ref_assets)], env=env, capture_output=True, text=True, timeout=600)
+        assert out.exists(), f"probe failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        return json.loads(out.read_text())
+
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {v: pool.submit(probe, v) for v in dict.fromkeys(wanted) if v in RELEASES and v not in _absent()}
+    yield futures
+    pool.shutdown(cancel_futures=True)
+
+
+def _absent() -> set[str]:
+    from test_versions import trl_dir
+
+    return {v for v in RELEASES if trl_dir(v) is None}
+
+
+def warned(lines: list[str], kind: str, version: str) -> list[str]:
+    """The fact behind each warning line (each must be one of ours, in our words, for this trainer and release)."""
+    found = []
+    for line in lines:
+        facts = [f for f in ls.facts(kind) if f.lost in line and _names(f, line)]
+        assert len(facts) == 1, line
+        prefix = f"liger_ddp_patch: {TRAINER[kind]} (TRL {version}, use_liger_kernel=True) {facts[0].verb} "
+        assert line.startswith(prefix) and line.endswith(f"{facts[0].later}. {facts[0].remedy}"), line
+        found.append(facts[0].setting)
+    return found
+
+
+def _names(fact: ls.Dropped, line: str) -> bool:
+    """Does the warning name ``fact``'s setting right after its verb ("ignores desirable_weight=3.0: ...")?"""
+    head = line.partition(f") {fact.verb} ")[2].removeprefix("the ")
+    return head.startswith(fact.setting.split()[0])
+
+
+def test_readme_table_is_current():
+    import matrix
+
+    readme = (ROOT / "README.md").read_text()
+    start, end = readme.find(matrix.SETTINGS_BEGIN), readme.find(matrix.SETTINGS_END)
+    assert 0 <= start < end, "README.md lost the liger-settings table markers"
+    assert readme[start : end + len(matrix.SETTINGS_END)] + "\n" == matrix.render_liger_settings(), (
+        "README's liger-settings table is stale: paste `python tests/matrix.py liger-settings` over it"
+    )
+
+
+def test_every_fact_is_proven_by_a_case():
+    assert set(PROOF) == set(FACT), "each row of liger_settings.FACTS needs a case in PROOF (and CASES)"
+    ids = {case["id"] for case in CASES}
+    assert {c for pair in PROOF.values() for c in pair if c != "after"} <= ids and set(SETS) <= ids
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_release(version, probes):
+    require(version)
+    out = probes[version].result()
+    assert out["trl"] == version
+    results = {r["id"]: r for r in out["results"]}
+    liger = out["liger"]
+
+    # 1. the warnings: exactly the dropped settings, per the rows; pinned by hand for 1.12.0 and 1.13.0
+    seen = {}
+    for case in CASES:
+        r = results[case["id"]]
+        got = warned(r["warnings"], case["kind"], version)
+        expected = [s for s in SETS.get(case["id"], []) if ls.dropped_in(FACT[s], version, liger)]
+        if case.get("keep_warned"):
+            expected = []  # once per process: kto-desirable said it already
+        assert got == expected, (case["id"], r["warnings"])
+        if got:
+            seen[case["id"]] = got
+    if version in PINNED:
+        assert seen == PINNED[version]
+    if version in SCENARIO:
+        assert results["kto-scenario"]["warnings"] == SCENARIO[version]
+
+    # 2. the numbers: a dropped setting leaves TRL's Liger loss bit for bit while TRL's non-Liger loss moves
+    for setting, (case, against) in PROOF.items():
+        fact, r = FACT[setting], results[case]
+        base = r.get("after") if against == "after" else results[against]
+        if ls.dropped_in(fact, version, liger):
+            if fact.verb == "does not pass":  # exo_pair: Liger refuses its own default, after our warning
+                assert "label_smoothing must be > 0" in r.get("error", ""), (setting, r)
+                continue
+            assert "error" not in r and "loss_error" not in r, (setting, r)
+            if against == "after":  # the reference moved: the Liger rewards do not see it, the non-Liger ones do
+                assert r["liger_rewards"] == base["liger_rewards"], (setting, r)
+                assert r["plain_rewards"] != base["plain_rewards"], (setting, r)
+            else:
+                assert r["liger"] == base["liger"], (setting, r["liger"], base["liger"])
+                assert abs(r["plain"] - base["plain"]) > 1e-4, (setting, r["plain"], base["plain"])
+        else:  # not silent: the setting stops the build or the loss, or TRL's Liger loss follows it
+            loud = "error" in r or "loss_error" in r
+            key = "liger_rewards" if against == "after" else "liger"
+            assert loud or r[key] != base[key], (setting, version, r)
+
+    # 3. values the non-Liger path ignores change nothing and say nothing
+    neutral, plain = results["dpo-neutral"], results["dpo-base"]
+    assert neutral["warnings"] == [] and neutral["liger"] == plain["liger"]
+    assert neutral["plain"] == pytest.approx(plain["plain"], rel=1e-6)
+
+    # 4. the package changes no number: the same cases after unpatch(), bit for bit
+    assert [_numbers(r) for r in out["control"]] == [_numbers(results[c]) for c in CONTROL]
+
+    # 5. the records: applied on the releases with facts, each warning kept under its trainer
+    statuses = {s["name"]: s for s in out["report"]}
+    has_facts = any(ls.dropped_in(f, version, liger) for f in ls.FACTS)
+    for spec in (DPO, KTO):
+        status = statuses[spec.liger_settings_patch]
+        assert status["status"] == ("applied" if has_facts else "not_needed"), status
+        notes = status["runtime"].get(spec.trainer, [])
+        lines = {w for c in CASES if c["kind"] == spec.name for w in results[c["id"]]["warnings"]}
+        assert lines <= set(notes), (lines, notes)
+
+
+def _numbers(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k not in ("warnings", "seconds", "trace")}
+
+
+# ------------------------------------------------------------------------------------------- in-process unit tests
+
+
+def test_warn_once_is_once_per_key_and_rank_0_only(monkeypatch, caplog):
+    monkeypatch.setattr(log, "_warned", set())
+    with caplog.at_level("WARNING", logger=log.NAME):
+        log.warn_once(("KTOTrainer", "desirable_weight"), "first")
+        log.warn_once(("KTOTrainer", "desirable_weight"), "again")
+        log.warn_once(("DPOTrainer", "ld_alpha"), "other")
+        monkeypatch.setenv("RANK", "1")
+        log.warn_once(("DPOTrainer", "use_weighting"), "rank 1")
+    assert [r.getMessage() for r in caplog.records] == ["first", "other"]
+
+
+class _Engine:
+    def __init__(self):
+        self.notes = []
+
+    def note(self, name, key, decision):
+        self.notes.append((name, key, decision))
+
+
+def _wrapped(spec, original):
+    return settings_warning.replacer(spec)(original, engine := _Engine()), engine
+
+
+def test_a_failing_read_is_recorded_and_the_original_still_runs(monkeypatch):
+    """A config whose attribute raises must not stop the user's trainer: noted, then TRL's __init__ runs."""
+    calls = []
+
+    def __init__(self, model, ref_model=None, args=None, peft_config=None):
+        calls.append(args)
+
+    class Broken:
+        use_liger_kernel = True
+
+        @property
+        def desirable_weight(self):
+            raise RuntimeError("boom")
+
+    monkeypatch.setattr(ls, "dropped_in", lambda fact, trl, liger: True)
+    init, engine = _wrapped(KTO, __init__)
+    trainer = type("KTOTrainer", (), {"__init__": init})
+    config = Broken()
+    trainer("model", args=config)
+    assert calls == [config]
+    assert engine.notes == [
+        ("kto_liger_settings", "KTOTrainer", "settings not checked: reading them raised RuntimeError: boom")
+    ]
+
+
+def test_default_config_or_liger_off_reads_nothing(monkeypatch):
+    monkeypatch.setattr(ls, "dropped_in", lambda fact, trl, liger: True)
+    init, engine = _wrapped(DPO, lambda self, model, ref_model=None, args=None, peft_config=None: None)
+    trainer = type("DPOTrainer", (), {"__init__": init})
+    trainer("model")  # args=None: TRL builds its defaults
+    trainer("model", args=SimpleNamespace(use_liger_kernel=False, use_weighting=True))
+    assert engine.notes == []
+
+
+def test_shape_check_says_what_no_longer_matches():
+    check = settings_warning.checker(KTO)
+
+    def no_args(self, model, ref_model=None, peft_config=None):
+        pass
+
+    def no_fused(self, model, ref_model=None, args=None, peft_config=None):
+        self.liger_loss = None
+
+    def fused(self, model, ref_model=None, args=None, peft_config=None):
+        self.liger_loss = LigerFusedLinearKTOLoss(beta=1.0)  # noqa: F821
+
+    assert check(no_args) == "KTOTrainer.__init__ takes no ['args']"
+    assert "builds none of ['LigerFusedLinearKTOLoss', 'FusedLinearKTOLoss']" in check(no_fused)
+    assert check(fused) is None
