@@ -1,13 +1,17 @@
-"""The DPO-loss implementations the benchmarks compare (CPU: bench_losses.py; GPU: gpu_check.py), device-agnostic.
+"""The DPO/KTO-loss implementations the benchmarks compare (CPU: bench_losses.py; GPU: gpu_check.py), device-agnostic.
 
-Every arm computes the same thing: sigmoid DPO loss, beta 0.1, reference model on, summed log-probs over the
+Every DPO arm computes the same thing: sigmoid DPO loss, beta 0.1, reference model on, summed log-probs over the
 non-ignored tokens, for ``B`` stacked sequences (chosen rows first), then ``loss.backward()`` into the policy hidden
-states and LM-head weight.  ``make_step(arm, x)`` returns ``step() -> loss``.
+states and LM-head weight.  A KTO arm (``kind="kto"``): the KTO loss, beta 0.1, reference model on, ``B`` unpaired
+rows labelled desirable / undesirable alternately, a scalar ``kl`` of 0.1.  ``make_step(arm, x, kind=...)`` returns
+``step() -> loss``.
 
-  ours      liger_ddp_patch.losses.ChunkedDPOLoss (default token chunk unless told)
-  liger     liger_kernel.chunked_loss.LigerFusedLinearDPOLoss(compiled=False)
+  ours      liger_ddp_patch.losses.ChunkedDPOLoss / ChunkedKTOLoss (default token chunk unless told): the one-pass
+            path wherever a pair (row) fits a token chunk
+  ours_2p   the same with the one-pass path switched off (``allow_one_pass = False``): the two-pass path, "before"
+  liger     liger_kernel.chunked_loss.LigerFusedLinearDPOLoss / LigerFusedLinearKTOLoss(compiled=False)
   liger_c   the same with compiled=True (torch.compile: inductor on CPU, Triton on a GPU)
-  trl114    TRL 1.14.0's own chunked log-prob path, the one upstream replaced the fused loss with:
+  trl114    (DPO only) TRL 1.14.0's own chunked log-prob path, the one upstream replaced the fused loss with:
             ``_ChunkedLogProbFunction`` in trl/trainer/utils.py, called as DPOTrainer._get_per_token_logps_and_entropies
             (trl/trainer/dpo_trainer.py) calls it: boolean-masked hidden states, vocabulary chunk
             ``_CHUNKED_LOGPROB_CHUNK_SIZE = 8192``; needs TRL 1.14 first on sys.path
@@ -24,7 +28,9 @@ import torch.nn.functional as F
 IGNORE = -100
 BETA = 0.1
 TRL114_VOCAB_CHUNK = 8192  # trl 1.14.0, trl/trainer/dpo_trainer.py: _CHUNKED_LOGPROB_CHUNK_SIZE
-ARMS = ("ours", "liger", "liger_c", "trl114", "mat", "gemm")
+KL = 0.1
+ARMS = ("ours", "ours_2p", "liger", "liger_c", "trl114", "mat", "gemm")
+KTO_ARMS = ("ours", "ours_2p", "liger", "liger_c", "mat", "gemm")
 
 
 def make_inputs(B, L, H, V, prompt_frac, dtype=torch.float32, device="cpu", seed=0, w_scale=0.02):
@@ -51,27 +57,42 @@ def dpo_sigmoid(pol, ref):
     return -F.logsigmoid(d).sum() / n
 
 
+def kto_labels(B, device="cpu"):
+    return torch.arange(B, device=device) % 2 == 0
+
+
+def kto(pol, ref):
+    sign = kto_labels(pol.shape[0], pol.device).to(pol.dtype) * 2 - 1
+    return (1 - torch.sigmoid(BETA * (pol - ref - KL) * sign)).sum() / pol.shape[0]
+
+
 def _with_backward(loss_fn):
     def step():
         loss = loss_fn()
+        step.grad_fn = loss.grad_fn.name() if loss.grad_fn is not None else None  # which path our losses took
         loss.backward()
         return loss.detach()
 
     return step
 
 
-def make_step(arm, x, token_chunk_size=None):
+def make_step(arm, x, token_chunk_size=None, kind="dpo"):
     h, w, rh, rw, t = x["h"], x["w"], x["rh"], x["rw"], x["t"]
-    if arm == "ours":
+    if kind == "kto" and arm in ("ours", "ours_2p", "liger", "liger_c"):
+        return _kto_step(arm, x, token_chunk_size)
+    if arm in ("ours", "ours_2p"):
         from liger_ddp_patch.losses import ChunkedDPOLoss
 
         fn = ChunkedDPOLoss(token_chunk_size=token_chunk_size)
+        fn.allow_one_pass = arm == "ours"
         return _with_backward(lambda: fn(w, h, t, None, rh, rw, None)[0])
     if arm in ("liger", "liger_c"):
         from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
 
         fn = LigerFusedLinearDPOLoss(compiled=arm == "liger_c")
         return _with_backward(lambda: fn(w, h, t, None, rh, rw, None)[0])
+    if kind == "kto" and arm == "trl114":
+        raise ValueError("trl114 is a DPO arm")
     mask = t != IGNORE
     if arm == "mat":
 
@@ -96,9 +117,36 @@ def make_step(arm, x, token_chunk_size=None):
     def loss():
         with torch.no_grad():
             ref = seq_logps(rh, rw)
-        return dpo_sigmoid(seq_logps(h, w), ref)
+        return (kto if kind == "kto" else dpo_sigmoid)(seq_logps(h, w), ref)
 
     return _with_backward(loss)
+
+
+def _kto_step(arm, x, token_chunk_size):
+    h, w, rh, rw, t = x["h"], x["w"], x["rh"], x["rw"], x["t"]
+    labels, kl = kto_labels(t.shape[0], t.device), torch.tensor(KL, device=t.device)
+    if arm in ("ours", "ours_2p"):
+        from liger_ddp_patch.losses import ChunkedKTOLoss
+
+        fn = ChunkedKTOLoss(beta=BETA, use_ref_model=True, token_chunk_size=token_chunk_size)
+        fn.allow_one_pass = arm == "ours"
+    else:
+        from liger_kernel.chunked_loss import LigerFusedLinearKTOLoss
+
+        fn = LigerFusedLinearKTOLoss(beta=BETA, use_ref_model=True, compiled=arm == "liger_c")
+    return _with_backward(
+        lambda: fn(
+            _input=h,
+            lin_weight=w,
+            target=t,
+            bias=None,
+            preference_labels=labels,
+            ref_input=rh,
+            ref_weight=rw,
+            ref_bias=None,
+            kl=kl,
+        )[0]
+    )
 
 
 def _gemm_floor(x, token_chunk_size):
@@ -127,10 +175,10 @@ def _gemm_floor(x, token_chunk_size):
     return step
 
 
-def reference(x):
+def reference(x, kind="dpo"):
     """fp32 truth on the same (already rounded) values: materialised, fp32 everywhere, no autocast, no TF32."""
     y = {k: (v.detach().float().requires_grad_(k in ("h", "w")) if v.is_floating_point() else v) for k, v in x.items()}
-    loss = make_step("mat", y)()
+    loss = make_step("mat", y, kind=kind)()
     return loss, y["h"].grad, y["w"].grad
 
 

@@ -1,16 +1,20 @@
 #!/usr/bin/env python
-"""Benchmark (CPU): our chunked DPO loss against its peers, forward + backward, fp32 and bf16, arms interleaved.
+"""Benchmark (CPU): our chunked DPO and KTO losses against their peers, forward + backward, fp32 and bf16, arms
+interleaved.
 
-    python benchmarks/bench_losses.py                   # full table: 2 dtypes x 2 sizes x {50 %, 0 %} prompt, 3 rounds
-    python benchmarks/bench_losses.py --quick           # bf16 + fp32, (4, 512), 50 % prompt, 1 round
+    python benchmarks/bench_losses.py                   # full table: DPO + KTO x 2 dtypes x 2 sizes x {50 %, 0 %}
+                                                        # prompt, 3 rounds
+    python benchmarks/bench_losses.py --quick           # DPO + KTO, bf16 + fp32, (4, 512), 50 % prompt, 1 round
     python benchmarks/bench_losses.py --json out.json   # also keep every measurement
 
-Setup: H=896, V=32000 (Qwen2-0.5B-like head, no bias), reference model on, sigmoid DPO loss; ``B`` counts
-sequences (chosen and rejected stacked, as TRL hands them to the loss).  The first ``prompt`` fraction of every row
-is ignore_index.  The arms are described in ``_arms.py``: ours, Liger fused (compiled=False and compiled=True:
+Setup: H=896, V=32000 (Qwen2-0.5B-like head, no bias), reference model on, sigmoid DPO loss / KTO loss; ``B``
+counts sequences (DPO: chosen and rejected stacked, as TRL hands them to the loss; KTO: unpaired rows).  The first
+``prompt`` fraction of every row is ignore_index.  The arms are described in ``_arms.py``: ours (the one-pass path
+where a pair / row fits a token chunk), ours_2p (the same with the one-pass path off: the two-pass path, "before"),
+Liger fused (compiled=False and compiled=True:
 inductor works on this CPU), TRL 1.14's chunked log-prob path (``_ChunkedLogProbFunction``, trl/trainer/utils.py
 of an unpacked 1.14.0 wheel in ``$LIGER_DDP_PATCH_TRL_DIRS/1.14.0``, default .cache/trl/1.14.0), materialised
-logits and the GEMM-only floor.
+logits and the GEMM-only floor (TRL 1.14 is a DPO arm only).
 
 Fairness: every measurement is a fresh process (``--worker``) doing one warm-up step (which also compiles) and then
 ``--reps`` timed steps (median); memory is the peak RSS over the timed steps (sampled every 2 ms) minus the RSS once
@@ -18,7 +22,8 @@ the inputs exist, before the warm-up (glibc keeps freed heap resident, so a base
 most of a step's memory; for ``liger_c`` the figure includes what compiling left resident). A round runs every arm
 once per configuration, A, B, C, A, B, C, ...; the table gives each arm's median over rounds and, for the ratios,
 the median of the per-round ratios (both arms of a ratio ran back to back in the same round, so machine drift
-cancels).
+cancels).  Memory is the peak of a full step (forward + backward); ``ours/ours_2p mem`` shows what keeping the
+gradients from the forward to the backward costs.
 """
 
 from __future__ import annotations
@@ -39,8 +44,11 @@ H, V = 896, 32000
 SIZES = [(4, 512), (2, 2048)]
 DTYPES = ["float32", "bfloat16"]
 FRACS = [0.5, 0.0]
-ARMS = ["ours", "liger", "liger_c", "trl114", "mat", "gemm"]
-PEERS = ["liger", "liger_c", "trl114", "mat", "gemm"]
+KINDS = ["dpo", "kto"]
+ARMS = ["ours", "ours_2p", "liger", "liger_c", "trl114", "mat", "gemm"]
+PEERS = ["ours_2p", "liger", "liger_c", "trl114", "mat", "gemm"]
+MEM_PEERS = ["ours_2p", "liger", "liger_c", "trl114", "mat"]
+DPO_ONLY = {"trl114"}
 TRL_DIRS = os.environ.get("LIGER_DDP_PATCH_TRL_DIRS", os.path.join(ROOT, ".cache", "trl"))
 
 
@@ -70,7 +78,7 @@ class PeakSampler:
         self.peak = max(self.peak, _rss_bytes())
 
 
-def worker(arm, dtype, B, L, frac, reps, token_chunk_size, threads):
+def worker(arm, dtype, B, L, frac, reps, token_chunk_size, threads, kind):
     import gc
 
     import torch
@@ -81,7 +89,7 @@ def worker(arm, dtype, B, L, frac, reps, token_chunk_size, threads):
     if threads:
         torch.set_num_threads(threads)
     x = _arms.make_inputs(B, L, H, V, frac, getattr(torch, dtype))
-    step = _arms.make_step(arm, x, token_chunk_size)
+    step = _arms.make_step(arm, x, token_chunk_size, kind=kind)
     gc.collect()
     base = _rss_bytes()
     step()  # warm-up (and compile, for liger_c)
@@ -96,6 +104,7 @@ def worker(arm, dtype, B, L, frac, reps, token_chunk_size, threads):
         json.dumps(
             dict(
                 arm=arm,
+                kind=kind,
                 dtype=dtype,
                 B=B,
                 L=L,
@@ -111,7 +120,9 @@ def worker(arm, dtype, B, L, frac, reps, token_chunk_size, threads):
 
 
 def run_worker(arm, cfg, args):
-    dtype, B, L, frac = cfg
+    kind, dtype, B, L, frac = cfg
+    if kind != "dpo" and arm in DPO_ONLY:
+        return None
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -123,6 +134,8 @@ def run_worker(arm, cfg, args):
         str(frac),
         "--reps",
         str(args.reps),
+        "--kind",
+        kind,
     ]
     if args.token_chunk_size:
         cmd += ["--token-chunk-size", str(args.token_chunk_size)]
@@ -137,7 +150,7 @@ def run_worker(arm, cfg, args):
         return None
     res = json.loads(r.stdout.strip().splitlines()[-1])
     print(
-        f"  {arm:8s} {dtype:8s} B={B} L={L:5d} prompt={frac:.0%}: {res['time']:.2f} s  {res['mem_mb']:.0f} MB",
+        f"  {kind} {arm:8s} {dtype:8s} B={B} L={L:5d} prompt={frac:.0%}: {res['time']:.2f} s  {res['mem_mb']:.0f} MB",
         file=sys.stderr,
         flush=True,
     )
@@ -155,13 +168,13 @@ def table(configs, rounds):
     def fmt(x, spec):
         return "-" if x is None else format(x, spec)
 
-    hdr = ["dtype", "prompt", "B x L", "tokens w/ loss", "ours s", "ours MB"]
+    hdr = ["loss", "dtype", "prompt", "B x L", "tokens w/ loss", "ours s", "ours MB"]
     for p in PEERS:
         hdr += [f"{p} s", f"{p} MB"] if p != "gemm" else ["gemm s"]
-    hdr += [f"ours/{p} time" for p in PEERS] + [f"ours/{p} mem" for p in ("liger", "liger_c", "trl114", "mat")]
+    hdr += [f"ours/{p} time" for p in PEERS] + [f"ours/{p} mem" for p in MEM_PEERS]
     lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
     for cfg in configs:
-        dtype, B, L, frac = cfg
+        kind, dtype, B, L, frac = cfg
         runs = [r.get(cfg, {}) for r in rounds]
 
         def med(arm, key, runs=runs):
@@ -177,6 +190,7 @@ def table(configs, rounds):
 
         tokens = next((run[a]["tokens"] for run in runs for a in run if run.get(a)), None)
         row = [
+            kind.upper(),
             {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype),
             f"{frac:.0%}",
             f"{B} x {L}",
@@ -187,7 +201,7 @@ def table(configs, rounds):
         for p in PEERS:
             row += [fmt(med(p, "time"), ".2f")] + ([fmt(med(p, "mem_mb"), ".0f")] if p != "gemm" else [])
         row += [fmt(ratio(p, "time"), ".2f") for p in PEERS]
-        row += [fmt(ratio(p, "mem_mb"), ".2f") for p in ("liger", "liger_c", "trl114", "mat")]
+        row += [fmt(ratio(p, "mem_mb"), ".2f") for p in MEM_PEERS]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -195,7 +209,9 @@ def table(configs, rounds):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", nargs=5, metavar=("ARM", "DTYPE", "B", "L", "FRAC"))
-    ap.add_argument("--quick", action="store_true", help="(4, 512), 50%% prompt, fp32 + bf16, 1 round")
+    ap.add_argument("--quick", action="store_true", help="(4, 512), 50%% prompt, fp32 + bf16, DPO + KTO, 1 round")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="dpo,kto")
+    ap.add_argument("--kind", default="dpo", help=argparse.SUPPRESS)  # a worker's loss
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=1, help="timed steps per process (after one warm-up)")
     ap.add_argument("--dtypes", default=",".join(DTYPES))
@@ -208,13 +224,15 @@ def main():
     args = ap.parse_args()
     if args.worker:
         arm, dtype, B, L, frac = args.worker
-        worker(arm, dtype, int(B), int(L), float(frac), args.reps, args.token_chunk_size, args.threads)
+        worker(arm, dtype, int(B), int(L), float(frac), args.reps, args.token_chunk_size, args.threads, args.kind)
         return
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     fracs = [float(f) for f in args.prompt_fracs.split(",")]
     if args.quick:
         sizes, fracs, args.rounds = [(4, 512)], [0.5], 1
-    configs = [(d, B, L, f) for d in args.dtypes.split(",") for f in fracs for B, L in sizes]
+    configs = [
+        (k, d, B, L, f) for k in args.kinds.split(",") for d in args.dtypes.split(",") for f in fracs for B, L in sizes
+    ]
     arms = args.arms.split(",")
     import torch
 

@@ -5,20 +5,24 @@
     python3 benchmarks/gpu_check.py --out $OUT       # there: one H200, no network (carry .whl)
     python3 benchmarks/gpu_check.py --cpu-smoke      # anywhere: the same code paths at tiny sizes on CPU (a test)
 
-(a) DPO head loss, bf16, V=151,936, H=3,584, B=2, L=4,096, 50 % and 0 % prompt: ours vs Liger fused
-    (compiled=True) vs TRL 1.14's chunked log-prob path vs materialised logits; per arm the median step time
-    (CUDA events), ``torch.cuda.max_memory_allocated`` over the step minus what was allocated before it, and the
-    relative error of loss, grad-hidden and grad-weight against an fp32 materialised reference on the same values.
+(a) DPO head loss, bf16, V=151,936, H=3,584, B=16, L=512 (8 pairs: each pair fits one token chunk, so ``ours``
+    takes the one-pass path), 50 % and 0 % prompt: ours vs ours with the one-pass path off (``ours_2p``) vs Liger
+    fused (compiled=True) vs TRL 1.14's chunked log-prob path vs materialised logits; per arm the median step time
+    (CUDA events), ``torch.cuda.max_memory_allocated`` over the step minus what was allocated before it, the
+    relative error of loss, grad-hidden and grad-weight against an fp32 materialised reference on the same values,
+    and the path the loss took (its ``grad_fn``).
 (b) DDP with device_ids on the GPU: two one-process "nodes" on loopback (``torchrun --nnodes=2
     --nproc_per_node=1``), both on cuda:0 with ``ddp_backend="gloo"`` (NCCL refuses two ranks on one GPU), the
     repo's probe (liger_ddp_patch/demo/probe.py ``--device cuda``) running one DPO and one KTO step with Liger on
     the tiny Qwen3 with the real vocabulary; TRL 1.12.0 and 1.8.0 (before 1.9 the unpatched trainer crashes in
     DDP), unpatched vs patched: parameters whose gradients differ across the ranks.
 
-Prints one table and writes ``gpu_check.json`` to ``--out``.  Packages the GPU machine lacks (``WHEELS``) are
-installed from ``.whl/`` with ``pip install --no-index --no-deps --target``: every TRL release into its own folder,
-the rest (only those not importable already) into a common one.  ``--cpu-smoke`` takes TRL from
-``.cache/trl/<version>`` (``.ci/trl_matrix.sh --prepare-only``) when ``.whl/`` is absent.
+Prints one table and writes ``gpu_check.json`` to ``--out`` (after deleting what an earlier run left there), then
+checks every row (``check_rows``: the same checks as tests/test_gpu_check.py) and exits 1 when one fails.
+Packages the GPU machine lacks (``WHEELS``) are installed from ``.whl/`` with ``pip install --no-index --no-deps
+--target``: every TRL release into its own folder, the rest (only those not importable already) into a common one.
+``--cpu-smoke`` takes TRL from ``.cache/trl/<version>`` (``.ci/trl_matrix.sh --prepare-only``) when ``.whl/`` is
+absent.
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ WHEELS = [
     ("multiprocess", "0.70.19", "multiprocess"),
 ]
 DDP_TRL = ("1.12.0", "1.8.0")
-ARMS_A = ("ours", "liger_c", "trl114", "mat")
-GPU_SIZE = dict(V=151_936, H=3_584, B=2, L=4_096)
+ARMS_A = ("ours", "ours_2p", "liger_c", "trl114", "mat")
+PROMPTS_A = (0.5, 0.0)
+GPU_SIZE = dict(V=151_936, H=3_584, B=16, L=512)
 SMOKE_SIZE = dict(V=512, H=64, B=2, L=64)
 
 
@@ -154,7 +159,7 @@ def part_a(device: str, size: dict, reps: int, out_json: Path) -> list[dict]:
         fp32_output_gemm=_core.fp32_output_gemm(device, torch.bfloat16),
         default_chunk=_core.resolve_token_chunk_size(None, V, device, torch.bfloat16),
     )
-    for frac in (0.5, 0.0):
+    for frac in PROMPTS_A:
         x = _arms.make_inputs(B, L, H, V, frac, torch.bfloat16, device)
         ref = _arms.reference(x)
         if cuda:
@@ -166,6 +171,7 @@ def part_a(device: str, size: dict, reps: int, out_json: Path) -> list[dict]:
                 x["h"].grad = x["w"].grad = None
                 loss = step()  # warm-up (compiles liger_c); its result is the one checked
                 row["err"] = _arms.rel_errors(loss, x["h"].grad, x["w"].grad, ref)
+                row["grad_fn"] = getattr(step, "grad_fn", None)
                 times, peak = [], 0
                 for _ in range(reps):
                     x["h"].grad = x["w"].grad = None
@@ -262,6 +268,61 @@ def run_part_b(args, paths, out: Path) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------------------------- checks
+
+ERR_A = 1e-2  # bf16 against the fp32 truth: correct arms reach a few 1e-3 (dropping the reference model: ~5e-2)
+PATCHED_PARAMS = 25  # the tiny Qwen3's parameters with a gradient: every one must be counted and agree
+OUTPUTS = ("gpu_check.json", "part_a.json", "part_a.log", "tiny")  # plus ddp-*: what a run writes into --out
+
+
+def check_rows(rows_a: list[dict], rows_b: list[dict], reps: int, parts=("a", "b")) -> list[str]:
+    """Every way a row can be wrong, as messages (empty: all rows pass).  Used by main() and the CPU smoke test."""
+    bad = []
+    if "a" in parts:
+        seen = {(r.get("arm"), r.get("prompt")) for r in rows_a}
+        want = {(a, p) for a in ARMS_A for p in PROMPTS_A}
+        if seen != want:
+            bad.append(f"(a) rows {sorted(map(str, seen))} != {sorted(map(str, want))}")
+        for r in rows_a:
+            if "error" in r:
+                bad.append(f"(a) {r.get('arm')} failed: {r['error'][:200]}")
+                continue
+            tag = f"(a) {r['arm']} prompt {r['prompt']:.0%}"
+            if not (r["ms"] > 0 and len(r["times_ms"]) == reps):
+                bad.append(f"{tag}: times {r['times_ms']}")
+            if not all(e == e and e < ERR_A for e in r["err"].values()):  # e == e: not NaN
+                bad.append(f"{tag}: error against the fp32 truth {r['err']} (bound {ERR_A})")
+            one_pass = "OnePassLoss" in str(r.get("grad_fn"))
+            if r["arm"] in ("ours", "ours_2p") and one_pass != (r["arm"] == "ours"):
+                bad.append(f"{tag}: took {r.get('grad_fn')}")
+    if "b" in parts:
+        rows = {(r.get("trl"), r.get("trainer"), r.get("run")): r for r in rows_b}
+        for trainer in ("dpo", "kto"):
+            unpatched = rows.get(("1.12.0", trainer, "unpatched"), {})
+            if not unpatched.get("differing", 0) > 0:  # TRL 1.9-1.13: silent desync
+                bad.append(f"(b) 1.12.0 {trainer} unpatched shows no desync: {unpatched}")
+            crashed = rows.get(("1.8.0", trainer, "unpatched"), {})
+            if "base_model" not in str(crashed.get("error")):  # before 1.9: crash in DDP
+                bad.append(f"(b) 1.8.0 {trainer} unpatched did not crash on base_model: {crashed}")
+            for version in DDP_TRL:
+                r = rows.get((version, trainer, "patched"), {})
+                ok = (r.get("params"), r.get("differing"), r.get("max_abs_diff")) == (PATCHED_PARAMS, 0, 0.0)
+                if not ok or not str(r.get("loss_class")).startswith("Chunked"):
+                    bad.append(f"(b) {version} {trainer} patched: {r}")
+    return bad
+
+
+def clear_outputs(out: Path) -> None:
+    """Delete what an earlier run wrote into ``out`` (only that), so that no stale result can be read back."""
+    import shutil
+
+    for path in [out / name for name in OUTPUTS] + sorted(out.glob("ddp-*")):
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
 # ----------------------------------------------------------------------------------------------- report
 
 
@@ -271,7 +332,8 @@ def render(info: dict, rows_a: list[dict], rows_b: list[dict]) -> str:
         f"(a) DPO head loss, bf16, V={s['V']:,} H={s['H']:,} B={s['B']} L={s['L']:,} on {info['device_name']} "
         f"(torch {info['torch']}; ours: default chunk {rows_a[0].get('default_chunk', '?')}, "
         f"fp32-output GEMM {rows_a[0].get('fp32_output_gemm', '?')})",
-        f"{'prompt':>6} {'arm':8} {'median ms':>10} {'peak MiB':>9} {'err loss':>9} {'err g_h':>9} {'err g_w':>9}",
+        f"{'prompt':>6} {'arm':8} {'median ms':>10} {'peak MiB':>9} {'err loss':>9} {'err g_h':>9} {'err g_w':>9}"
+        "  path",
     ]
     for r in rows_a:
         if not r:
@@ -283,7 +345,7 @@ def render(info: dict, rows_a: list[dict], rows_b: list[dict]) -> str:
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
         lines.append(
             f"{r['prompt']:>6.0%} {r['arm']:8} {r['ms']:>10.1f} {peak:>9} {e['loss']:>9.1e} "
-            f"{e['grad_h']:>9.1e} {e['grad_w']:>9.1e}"
+            f"{e['grad_h']:>9.1e} {e['grad_w']:>9.1e}  {r.get('grad_fn')}"
         )
     lines += [
         "",
@@ -335,6 +397,7 @@ def main(argv=None) -> int:
     started = time.monotonic()
     out = Path(args.out or tempfile.mkdtemp(prefix="gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
+    clear_outputs(out)
     paths = package_paths(args.cpu_smoke, Path(tempfile.mkdtemp(prefix="gpu-check-site-")))
     info = dict(device=args.device, device_name=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                 torch=torch.__version__, size=size, smoke=args.cpu_smoke, installed=paths["installed"],
@@ -349,7 +412,9 @@ def main(argv=None) -> int:
     (out / "gpu_check.json").write_text(json.dumps(dict(info=info, a=rows_a, b=rows_b), indent=1))
     print(report)
     print(f"\n{info['seconds']:.0f} s in all (part b {info['seconds_b']:.0f} s); JSON and logs in {out}")
-    return 0
+    bad = check_rows(rows_a, rows_b, args.reps, parts)
+    print("\n".join(["", f"FAILED ({len(bad)}):", *bad]) if bad else "\nall rows pass")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -21,7 +20,12 @@ import gpu_check  # noqa: E402
 
 @pytest.mark.ddp
 def test_cpu_smoke_runs_both_parts(tmp_path):
-    """(a) every arm runs and is close to the fp32 truth; (b) the 2-node DDP probe shows the bug and the fix."""
+    """(a) every arm runs, ours takes the one-pass path, all within 1e-2 of the fp32 truth; (b) the 2-node DDP probe
+    shows the bug and the fix with all 25 parameters counted.  The row checks are gpu_check.check_rows, the ones
+    the script's exit status comes from; a stale result in --out is deleted first."""
+    (tmp_path / "gpu_check.json").write_text(json.dumps(dict(info={}, a=[], b=[])))
+    (tmp_path / "ddp-1.12.0-patched").mkdir()
+    (tmp_path / "ddp-1.12.0-patched" / "result.json").write_text("{}")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path)],
         capture_output=True,
@@ -31,24 +35,64 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "(a) DPO head loss" in proc.stdout and "(b) DDP" in proc.stdout, proc.stdout
+    assert "all rows pass" in proc.stdout, proc.stdout[-3000:]
+    assert not (tmp_path / "ddp-1.12.0-patched" / "result.json").exists()
     report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert check_rows_strict(report) == []
 
-    rows_a = report["a"]
-    assert {(r["arm"], r["prompt"]) for r in rows_a} == {(a, p) for a in gpu_check.ARMS_A for p in (0.5, 0.0)}
-    for r in rows_a:
-        assert "error" not in r, r
-        assert r["ms"] > 0 and len(r["times_ms"]) == 2
-        # bf16 against the fp32 truth: a few 1e-3 relative, as Liger; 5 % would mean a broken arm
-        assert all(math.isfinite(e) and e < 5e-2 for e in r["err"].values()), r
 
-    rows_b = {(r["trl"], r["trainer"], r["run"]): r for r in report["b"]}
+def check_rows_strict(report):
+    return gpu_check.check_rows(report["a"], report["b"], reps=2)
+
+
+def _passing_report():
+    rows_a = [
+        dict(arm=a, prompt=p, ms=1.0, times_ms=[1.0, 1.0], err=dict(loss=1e-3, grad_h=1e-3, grad_w=1e-3),
+             grad_fn="OnePassLossBackward" if a == "ours" else "DivBackward0")
+        for a in gpu_check.ARMS_A for p in gpu_check.PROMPTS_A
+    ]  # fmt: skip
+    rows_b = []
     for trainer in ("dpo", "kto"):
-        assert rows_b[("1.12.0", trainer, "unpatched")]["differing"] > 0  # TRL 1.9-1.13: silent desync
-        assert "base_model" in rows_b[("1.8.0", trainer, "unpatched")]["error"]  # before 1.9: crash in DDP
+        rows_b.append(dict(trl="1.12.0", trainer=trainer, run="unpatched", params=25, differing=3, max_abs_diff=0.1))
+        rows_b.append(dict(trl="1.8.0", trainer=trainer, run="unpatched", error="AttributeError: base_model"))
         for version in gpu_check.DDP_TRL:
-            patched = rows_b[(version, trainer, "patched")]
-            assert (patched["differing"], patched["max_abs_diff"]) == (0, 0.0), patched
-            assert patched["loss_class"].startswith("Chunked"), patched
+            rows_b.append(
+                dict(trl=version, trainer=trainer, run="patched", params=25, differing=0, max_abs_diff=0.0,
+                     loss_class="ChunkedDPOLoss")
+            )  # fmt: skip
+    return dict(a=rows_a, b=rows_b)
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        "one parameter counted",
+        "patched differs",
+        "arm error 2e-2",
+        "ours took two passes",
+        "arm missing",
+        "no desync unpatched",
+    ],
+)
+def test_check_rows_fails_each_broken_row(breakage):
+    """The shared row checks pass a good report and catch each way a row can be wrong (so gpu_check exits 1)."""
+    report = _passing_report()
+    assert check_rows_strict(report) == []
+    a, b = report["a"], report["b"]
+    patched = next(r for r in b if r["run"] == "patched")
+    if breakage == "one parameter counted":
+        patched["params"] = 1
+    elif breakage == "patched differs":
+        patched["differing"] = 1
+    elif breakage == "arm error 2e-2":
+        a[0]["err"]["grad_w"] = 2e-2
+    elif breakage == "ours took two passes":
+        next(r for r in a if r["arm"] == "ours")["grad_fn"] = "AddBackward0"
+    elif breakage == "arm missing":
+        a.pop()
+    else:
+        next(r for r in b if r["run"] == "unpatched")["differing"] = 0
+    assert check_rows_strict(report), breakage
 
 
 def _fake_wheel(folder: Path, name: str, version: str) -> Path:

@@ -390,6 +390,8 @@ class ChunkedLinearLoss(torch.nn.Module):
         self.average_log_prob = average_log_prob
         self.chunk_size = chunk_size  # accepted for drop-in compatibility; token_chunk_size bounds memory
         self.token_chunk_size = token_chunk_size
+        # the one-pass path (``_onepass``) where it applies; False forces the two-pass path (benchmarks: "before")
+        self.allow_one_pass = True
 
     def averaged(self, sums, counts):
         """Per-sequence log-probs from the per-row sums: ÷ token count with ``average_log_prob``."""
@@ -407,7 +409,7 @@ class ChunkedLinearLoss(torch.nn.Module):
         a sum of terms each reading only the rows of one group (``group_of_row``, ``(B,)`` int64).  ``None`` (the
         caller takes the two-pass path) when no gradient is needed or one group has more tokens than a chunk.
         """
-        if not _needs_grad(hidden, weight, bias):
+        if not (self.allow_one_pass and _needs_grad(hidden, weight, bias)):
             return None
         hidden2d, positions, labels, rows, counts = select_tokens(hidden, target, self.ignore_index)
         cfg = _chunking(hidden, weight, self.token_chunk_size)
