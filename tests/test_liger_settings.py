@@ -316,3 +316,49 @@ def test_shape_check_says_what_no_longer_matches():
     assert check(no_args) == "KTOTrainer.__init__ takes no ['args']"
     assert "builds none of ['LigerFusedLinearKTOLoss', 'FusedLinearKTOLoss']" in check(no_fused)
     assert check(fused) is None
+
+
+# What a user script prints (no logging configured: the package's own stderr handler), KTO + LoRA PeftModel without
+# ref_model + desirable_weight=3.0; argv: model folder, then "liger" or "plain".
+_USER = r"""
+import sys, tempfile
+import liger_ddp_patch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import KTOConfig, KTOTrainer
+rows = [{"prompt": "rank one question", "completion": "a good answer", "label": bool(i % 2)} for i in range(4)]
+model = get_peft_model(AutoModelForCausalLM.from_pretrained(sys.argv[1]),
+                       LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+args = KTOConfig(tempfile.mkdtemp(), use_liger_kernel=True, desirable_weight=3.0, per_device_train_batch_size=2,
+                 bf16=False, use_cpu=True, report_to="none",
+                 liger_kernel_config={k: False for k in ("rope", "rms_norm", "swiglu", "cross_entropy",
+                                                         "fused_linear_cross_entropy", "layer_norm", "geglu")})
+try:
+    KTOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
+               processing_class=AutoTokenizer.from_pretrained(sys.argv[1]))
+    print("BUILT")
+except Exception as exc:
+    print("TRL REFUSED:", type(exc).__name__, str(exc)[:200])
+"""
+
+
+@pytest.mark.parametrize(
+    ("version", "disable"), [("1.12.0", ""), ("1.12.0", "kto_liger_settings"), ("1.13.0", "")], ids=str
+)
+def test_user_script_reads_the_warnings_on_stderr(version, disable, tiny_small):
+    """The issue's user, for real: the lines on stderr (1.12.0), none when disabled or on 1.13.0 (which refuses)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(require(version)), str(ROOT)])}
+    env.pop("LIGER_DDP_PATCH_DISABLE", None)
+    if disable:
+        env["LIGER_DDP_PATCH_DISABLE"] = disable
+    proc = subprocess.run(
+        [sys.executable, "-c", _USER, str(tiny_small)], env=env, capture_output=True, text=True, timeout=300
+    )
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("liger_ddp_patch: KTOTrainer")]
+    expected = [] if disable else SCENARIO[version]
+    assert ours == expected, proc.stdout[-2000:] + proc.stderr[-3000:]
+    if version == "1.13.0":
+        assert "TRL REFUSED: ValueError" in proc.stdout and "desirable_weight" in proc.stdout, proc.stdout
+    else:
+        assert "BUILT" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
