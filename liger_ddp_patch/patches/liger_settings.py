@@ -96,8 +96,8 @@ _KTO_WEIGHTS = dict(
 )  # fmt: skip
 
 # Not rows, because nothing is dropped silently: the Liger loss types TRL accepts but liger-kernel < 0.8.1 lacks
-# (robust, exo_pair, discopop, ...) fail at build; KTO 1.0.0-1.7.1 with a PEFT model and no ref_model crash in the
-# Liger path (`self.ref_model` is None); 1.10.0+ reject f_divergence_type, 1.13.0 the KTO class weights, 1.14.0
+# (robust, exo_pair, discopop, ...) fail at build; KTO 1.0.0-1.7.1 reject a PEFT model with use_liger_kernel=True
+# (PEFT support came in 1.8.0, TRL PR #6277); 1.10.0+ reject f_divergence_type, 1.13.0 the KTO class weights, 1.14.0
 # use_weighting.
 FACTS: tuple[Dropped, ...] = (
     Dropped(
