@@ -15,6 +15,7 @@ from typing import NamedTuple
 import pytest
 
 from liger_ddp_patch.demo import run_probe
+from liger_ddp_patch.patches import pitfalls
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.ddp
@@ -133,6 +134,8 @@ def test_ddp_rejects_reentrant_peft_the_same_way_and_rank_0_says_why_first(launc
     warning = "liger_ddp_patch: DistributedDataParallel will fail in backward"
     assert log.count(warning) == 1, log[-3000:]  # rank 0 only, once per process
     assert log.index(warning) < log.index(f"[probe] {CRASHING} failed: RuntimeError: {REJECTED}")
+    (status,) = [s for s in patched["report"] if s["name"] == "dpo_compute_loss"]
+    assert pitfalls.NOTE in status["runtime"]["DPOTrainer"], status  # and in report() / `status --json`
     control = result(unpatched, CRASHING)
     assert "error" not in control and control["differing"] > 0, control
     assert warning not in unpatched["log"]
