@@ -9,10 +9,12 @@ from __future__ import annotations
 import pytest
 
 from liger_ddp_patch.demo import run_probe
+from liger_ddp_patch.patches import NAMES
 
 pytestmark = pytest.mark.ddp
 
 EXAMPLE = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "sitecustomize_example")
+PARAMS = 25  # the tiny model's parameters, every one with a gradient: "0 differing" must cover all of them
 TENSORWRAPPER = "Cannot access storage of TensorWrapper"
 
 
@@ -25,7 +27,7 @@ def assert_in_sync(result: dict, *trainers: str) -> None:
     for trainer in trainers or runs:
         run = runs[trainer]
         assert "error" not in run, run.get("trace", "") + result["log"][-3000:]
-        assert run["params"] == 25
+        assert run["params"] == PARAMS, run
         assert (run["differing"], run["max_abs_diff"]) == (0, 0.0), run
 
 
@@ -34,14 +36,14 @@ def assert_desynced(result: dict, *trainers: str) -> None:
     for trainer in trainers or runs:
         run = runs[trainer]
         assert "error" not in run, run.get("trace", "")
-        assert run["differing"] > 0 and run["max_abs_diff"] > 0, run
+        assert run["params"] == PARAMS and run["differing"] > 0 and run["max_abs_diff"] > 0, run
 
 
 def test_unpatched_control_desyncs(tiny_real):
     result = run_probe(tiny_real, "none")
     assert result["report"] is None
     assert_desynced(result)
-    assert by_trainer(result)["dpo"]["differing"] == 25
+    assert by_trainer(result)["dpo"]["differing"] == PARAMS  # every parameter: nothing was all-reduced
 
 
 ROUTED = "routed through DistributedDataParallel.forward, fused loss {} → {}"
@@ -54,12 +56,8 @@ def test_patched_real_vocab_is_in_sync(tiny_real):
     # --tee 3: torchrun prefixes every line with the rank that printed it ("[default0]:")
     result = run_probe(tiny_real, "before", launch=("--tee", "3"))
     assert_in_sync(result)
-    assert {row["name"]: row["status"] for row in result["report"]} == {
-        "dpo_compute_loss": "applied",
-        "kto_compute_loss": "applied",
-        "dpo_chunked_loss": "applied",
-        "kto_chunked_loss": "applied",
-    }
+    assert {row["name"]: row["status"] for row in result["report"]} == dict.fromkeys(NAMES, "applied")
+    assert {"dpo_compute_loss", "kto_compute_loss", "dpo_chunked_loss", "kto_chunked_loss"} <= NAMES
     assert {r["loss_class"] for r in result["results"]} == {"ChunkedDPOLoss", "ChunkedKTOLoss"}
     runtime = {row["name"]: row["runtime"] for row in result["report"]}
     assert runtime["dpo_compute_loss"] == {"DPOTrainer": [ROUTED.format("LigerFusedLinearDPOLoss", "ChunkedDPOLoss")]}

@@ -1,7 +1,8 @@
 """Configurations that were never broken run TRL's own code and loss objects, bit for bit, with the package imported.
 
-One process (no launcher) here; DeepSpeed ZeRO-2/3 in tests/test_deepspeed.py; DataParallel at unit level in
-tests/test_compute_loss.py (it needs several GPUs).
+One process (no launcher) here; DeepSpeed ZeRO-2/3 in tests/test_deepspeed.py; FSDP, FSDP2 and DataParallel at unit
+level in tests/test_compute_loss.py (the compute_loss replacement handed real wrappers: TRL does not build FSDP on CPU,
+DataParallel needs several GPUs).
 """
 
 from __future__ import annotations
