@@ -71,3 +71,12 @@ def test_warning_points_at_the_users_import_line(tmp_path):
     assert (
         f"{script}:2: SettingsWarning: LIGER_DDP_PATCH_DISABLE names unknown patch(es) dpo_compute_los" in proc.stderr
     )
+
+
+def test_the_liger_settings_records_are_disabled_by_name():
+    """The warnings about what TRL's Liger path ignores have their own opt-out (the real patch names)."""
+    from liger_ddp_patch.patches import NAMES
+
+    s = settings.read(NAMES, {"LIGER_DDP_PATCH_DISABLE": "dpo_liger_settings,kto_liger_settings"})
+    assert s.disabled == {"dpo_liger_settings", "kto_liger_settings"}
+    assert not s.is_disabled("kto_compute_loss")
