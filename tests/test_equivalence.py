@@ -134,7 +134,7 @@ def test_bf16_stays_in_sync(tiny_small):
     mixed = run_probe(tiny_small, "before", extra=("--steps", "1", "--bf16"))
     for run in (*result["results"], *mixed["results"]):
         assert "error" not in run, run.get("trace")
-        assert (run["differing"], run["max_abs_diff"]) == (0, 0.0), run
+        assert (run["params"], run["differing"], run["max_abs_diff"]) == (25, 0, 0.0), run  # all 25 counted
     runs = {r["trainer"]: r for r in result["results"]}
     mixed_runs = {r["trainer"]: r for r in mixed["results"]}
     for trainer, loss in (("dpo", "ChunkedDPOLoss"), ("kto", "ChunkedKTOLoss")):
