@@ -32,7 +32,8 @@ def run_probe(
     """Run the probe under ``torchrun`` and return rank 0's JSON (``log`` holds the combined output).
 
     ``nproc=0`` runs it as one plain process, without torchrun. ``extra`` passes more probe options (``--steps``,
-    ``--grad-accum``, ``--eval-steps``, ``--bf16``, ``--grads-out``, ...), ``launch`` more torchrun options.
+    ``--grad-accum``, ``--eval-steps``, ``--bf16``, ``--lr``, ``--optim``, ``--grads-out``, ``--weights-out``,
+    ``--configs``, ``--arms``, ...), ``launch`` more torchrun options.
     """
     out = Path(tempfile.mkdtemp(prefix="liger-ddp-probe-")) / "result.json"
     full_env = {**os.environ, **(env or {}), "PROBE_PATCH": mode, "OMP_NUM_THREADS": "1"}
