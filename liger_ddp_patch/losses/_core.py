@@ -181,6 +181,61 @@ def _logits(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fast: b
     return logits
 
 
+class LogitsBuffers:
+    """The ``(chunk, V)`` buffers of one call, reused by every chunk where that pays: on CPU a fresh multi-MB tensor
+    per chunk costs its page faults again (glibc hands large blocks back to the OS); on an accelerator the caching
+    allocator already reuses memory, and the fp32-output GEMM writes a fresh tensor.  Same bytes as before: one
+    fp32 (fp64) logits block, plus the half-precision GEMM output when the GEMM cannot write fp32 itself."""
+
+    def __init__(self, rows: int, vocab: int, cdtype: torch.dtype, device: torch.device, fast: bool):
+        self.fast = fast
+        self.reuse = device.type == "cpu" and not fast and rows > 0
+        mdtype = _math_dtype(cdtype)
+        self.full = torch.empty(rows, vocab, dtype=mdtype, device=device) if self.reuse else None
+        self.half = torch.empty(rows, vocab, dtype=cdtype, device=device) if self.reuse and cdtype != mdtype else None
+
+    def logits(self, h, w, bias):
+        """fp32 (fp64) ``h @ w.T + b``; ``h``, ``w`` in the compute dtype."""
+        if not self.reuse:
+            return _logits(h, w, bias, self.fast)
+        out = self.full[: h.shape[0]]
+        if self.half is None:
+            torch.mm(h, w.t(), out=out) if bias is None else torch.addmm(bias.to(h.dtype), h, w.t(), out=out)
+            return out
+        out.copy_(torch.mm(h, w.t(), out=self.half[: h.shape[0]]))
+        if bias is not None:
+            out += bias
+        return out
+
+    def lowp(self, grad_logits, cdtype):
+        """``grad_logits`` in the compute dtype (into the half buffer, whose logits are no longer needed)."""
+        if grad_logits.dtype == cdtype:
+            return grad_logits
+        if self.half is None:
+            return grad_logits.to(cdtype)
+        return self.half[: grad_logits.shape[0]].copy_(grad_logits)
+
+
+def softmax_(logits: torch.Tensor, labels: torch.Tensor, probs: bool = True):
+    """In place: ``logits`` becomes ``softmax(logits) * scale`` (``scale`` None: 1); returns the target log-probs,
+    the log-sum-exps and ``scale`` (per row).  ``probs=False``: only the first two are wanted.
+
+    CPU: one fused in-place ``log_softmax`` (each row stays in cache for its max, sum and write) and ``exp_``.
+    Elsewhere: max, ``sub_``, ``exp_``, sum, with ``1 / sum`` returned as the scale for the caller to fold in."""
+    tgt = logits.gather(1, labels).squeeze(1)
+    if logits.device.type == "cpu":
+        torch._log_softmax(logits, 1, False, out=logits)
+        logp = logits.gather(1, labels).squeeze(1)
+        if probs:
+            logits.exp_()
+        return logp, tgt - logp, None
+    m = logits.amax(dim=1, keepdim=True)
+    logits.sub_(m).exp_()
+    sumexp = logits.sum(dim=1)
+    lse = sumexp.log().add_(m.squeeze(1))
+    return tgt - lse, lse, sumexp.reciprocal_()
+
+
 def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fast: bool) -> None:
     """``acc += a @ b`` with ``acc`` fp32/fp64 and ``a, b`` in the compute dtype, without an ``acc``-sized copy
     when torch can write fp32 from half inputs (else one product tile in the compute dtype)."""
@@ -199,17 +254,11 @@ def _forward_chunks(hidden2d, weight, bias, positions, labels, chunk, cdtype):
     lse = torch.empty(n, dtype=torch.float32, device=hidden2d.device)
     fast = _fp32_out(hidden2d.device, cdtype)
     w = weight.to(cdtype)  # no copy unless autocast (or mixed inputs) asks for another dtype
+    bufs = LogitsBuffers(min(n, chunk), weight.shape[0], cdtype, hidden2d.device, fast)
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
-        lab = labels[s:e].unsqueeze(1)
-        logits = _logits(hidden2d.index_select(0, positions[s:e]).to(cdtype), w, bias, fast)
-        tgt = logits.gather(1, lab).squeeze(1)
-        m = logits.amax(dim=1, keepdim=True)
-        # in place: logits <- exp(logits - max); one (c, V) buffer for the whole chunk
-        logits.sub_(m).exp_()
-        chunk_lse = logits.sum(dim=1).log_().add_(m.squeeze(1))
-        lse[s:e] = chunk_lse
-        logp[s:e] = tgt - chunk_lse
+        logits = bufs.logits(hidden2d.index_select(0, positions[s:e]).to(cdtype), w, bias)
+        logp[s:e], lse[s:e], _ = softmax_(logits, labels[s:e].unsqueeze(1), probs=False)
         del logits
     return logp, lse
 
@@ -359,6 +408,18 @@ def sequence_sums(logp, rows, batch_size):
     return torch.zeros(batch_size, dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
 
 
+def _column_sums(weight):
+    """``weight.sum(0)`` in fp32.  A half-precision ``sum(dim=0, dtype=float32)`` converts the whole ``(V, H)``
+    weight to fp32 first (a hidden ``4 V H``-byte temporary): sum blocks of <= 8192 and <= V / 8 rows instead."""
+    if weight.dtype == torch.float32:
+        return weight.sum(dim=0)
+    block = max(1, min(8192, -(-weight.shape[0] // 8)))
+    out = torch.zeros(weight.shape[1], dtype=torch.float32, device=weight.device)
+    for v0 in range(0, weight.shape[0], block):
+        out += weight[v0 : v0 + block].sum(dim=0, dtype=torch.float32)
+    return out
+
+
 def row_logit_sums(hidden, weight, bias):
     """``sum_{t, v} logits[b, t, v]`` for every row ``b`` over *all* positions, without a GEMM.
 
@@ -369,7 +430,7 @@ def row_logit_sums(hidden, weight, bias):
     with torch.no_grad(), _no_autocast(hidden.device):
         L = hidden.shape[1]
         hsum = hidden.sum(dim=1, dtype=torch.float32)  # (B, H)
-        wsum = weight.sum(dim=0, dtype=torch.float32)  # (H,)
+        wsum = _column_sums(weight)  # (H,)
         out = hsum @ wsum
         if bias is not None:
             out = out + L * bias.sum(dtype=torch.float32)

@@ -15,9 +15,10 @@ this group's derivative because the loss is a sum over groups).  The backward on
 
 Memory: the same token budget as the two-pass core; grad-input (the size of the hidden states) and the weight /
 bias gradients live from the forward to the backward, no logits do.  In half precision the weight gradient is the
-result itself, updated one vocabulary block at a time through an fp32 tile (``_core.vocab_block_rows``): it is
-rounded to the half dtype once per token chunk (Liger rounds its bf16 accumulator once per *pair*), and no
-``(V, H)``-sized temporary is made.
+result itself, updated in place by one GEMM per token chunk (``addmm_``: fp32 accumulation inside the GEMM, one
+rounding to the half dtype per chunk; Liger rounds its bf16 accumulator once per *pair*); no ``(V, H)``-sized
+temporary is made.  Under autocast (fp32 weight, half GEMMs) the fp32 result is updated one vocabulary block at a
+time (``_core.vocab_block_rows``), so the half-precision product tile is block-sized.
 
 Not supported (clear errors): double backward.  ``retain_graph`` works: a second backward recomputes the gradients
 with the two-pass core from the saved inputs (exact, no extra memory kept).
@@ -62,21 +63,16 @@ def _d_loss_d_sums(loss_of_sums, sums: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(sums) if grad is None else grad
 
 
-def _weight_grad_update(grad_w, tile, glc, h, block, fast):
-    """``grad_w += glc.T @ h``: straight into an fp32/fp64 result, through the fp32 tile block by block else."""
-    V = grad_w.shape[0]
-    if tile is None and glc.dtype == grad_w.dtype:
+def _weight_grad_update(grad_w, glc, h, block, fast):
+    """``grad_w += glc.T @ h``.  Same dtypes (fp32, or a half-precision result): one in-place GEMM, which accumulates
+    in fp32 and rounds the result once per token chunk (no tile, no product).  An fp32 result with half GEMM inputs
+    (autocast): one vocabulary block at a time, so a product tile is block-sized."""
+    if glc.dtype == grad_w.dtype:
         grad_w.addmm_(glc.t(), h)
         return
-    for v0 in range(0, V, block):
-        v1 = min(V, v0 + block)
-        if tile is None:  # fp32 result, half GEMM (autocast): the product tile is added in fp32
-            _core._add_product(grad_w[v0:v1], glc[:, v0:v1].t(), h, fast)
-            continue
-        acc = tile[: v1 - v0]
-        acc.copy_(grad_w[v0:v1])
-        _core._add_product(acc, glc[:, v0:v1].t(), h, fast)
-        grad_w[v0:v1].copy_(acc)
+    for v0 in range(0, grad_w.shape[0], block):
+        v1 = min(grad_w.shape[0], v0 + block)
+        _core._add_product(grad_w[v0:v1], glc[:, v0:v1].t(), h, fast)
 
 
 class OnePassLoss(torch.autograd.Function):
@@ -139,47 +135,42 @@ def _one_pass(
     lse_p = torch.empty(n, dtype=mdtype, device=device)
     g_tok = torch.zeros(n, dtype=mdtype, device=device)
     grad_h = torch.zeros_like(hidden2d) if need_h else None
-    grad_w = torch.zeros_like(weight) if need_w else None  # the result: the only (V, H) tensor made here
+    grad_w = torch.empty_like(weight) if need_w else None  # the result: the only (V, H) tensor made here
     grad_b = torch.zeros(V, dtype=mdtype, device=device) if need_b else None
     w = weight.to(cdtype)
-    tile = None
-    block = V
-    if need_w and grad_w.dtype != mdtype or cdtype != mdtype:
-        block = _core.vocab_block_rows(V, H, budget)
-        if need_w and grad_w.dtype != mdtype:
-            tile = torch.empty(min(block, V), H, dtype=mdtype, device=device)
+    block = _core.vocab_block_rows(V, H, budget) if need_w and grad_w.dtype != cdtype else V
+    bufs = _core.LogitsBuffers(max((e - s for s, e in bounds), default=0), V, cdtype, device, fast)
+    w_written = False  # grad_w is written by the first chunk's GEMM (no zero-fill pass) unless blocks add into it
     for s, e in bounds:
         pos, lab, r = pos_p[s:e], lab_p[s:e].unsqueeze(1), rows_p[s:e]
         h = hidden2d.index_select(0, pos).to(cdtype)
-        logits = _core._logits(h, w, bias, fast)
-        tgt = logits.gather(1, lab).squeeze(1)
-        m = logits.amax(dim=1, keepdim=True)
-        logits.sub_(m).exp_()  # logits <- exp(logits - max), in place
-        sumexp = logits.sum(dim=1)
-        lse = sumexp.log().add_(m.squeeze(1))
-        lse_p[s:e] = lse
-        sums.index_add_(0, r, (tgt - lse).float())
+        logits = bufs.logits(h, w, bias)
+        logp, lse_p[s:e], scale = _core.softmax_(logits, lab)  # logits <- softmax / scale, in place
+        sums.index_add_(0, r, logp.float())
         g = _d_loss_d_sums(loss_of_sums, sums).to(mdtype).index_select(0, r)  # this chunk's rows are complete
         g_tok[s:e] = g
-        if not (need_h or need_w or need_b):
-            continue
         # logits <- g * (onehot(y) - softmax), in place
-        logits.mul_((-g / sumexp.to(mdtype)).unsqueeze(1))
+        logits.mul_((-g if scale is None else -g * scale.to(mdtype)).unsqueeze(1))
         logits.scatter_add_(1, lab, g.unsqueeze(1).to(logits.dtype))
         if need_b:
             grad_b += logits.sum(dim=0)
-        glc = logits.to(cdtype)
+        glc = bufs.lowp(logits, cdtype)
         del logits
         if need_h:
-            if fast:
-                gh = torch.mm(glc, w, out_dtype=torch.float32)
-            else:
-                gh = glc @ w
+            gh = torch.mm(glc, w, out_dtype=torch.float32) if fast else glc @ w
             grad_h.index_copy_(0, pos, gh.to(grad_h.dtype))
             del gh
         if need_w:
-            _weight_grad_update(grad_w, tile, glc, h, block, fast)
+            if not w_written and glc.dtype == grad_w.dtype:
+                torch.mm(glc.t(), h, out=grad_w)
+            else:
+                if not w_written:
+                    grad_w.zero_()
+                _weight_grad_update(grad_w, glc, h, block, fast)
+            w_written = True
         del glc
+    if need_w and not w_written:
+        grad_w.zero_()
     with torch.no_grad():
         loss = loss_of_sums(sums)
     grads = (grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype))
