@@ -25,7 +25,7 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     the script's exit status comes from; a stale result in --out is deleted first."""
     (tmp_path / "gpu_check.json").write_text(json.dumps(dict(info={}, a=[], b=[])))
     (tmp_path / "ddp-1.12.0-patched").mkdir()
-    (tmp_path / "ddp-1.12.0-patched" / "result.json").write_text("{}")
+    (tmp_path / "ddp-1.12.0-patched" / "stale-from-an-earlier-run").write_text("{}")
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path)],
         capture_output=True,
@@ -36,7 +36,7 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "(a) DPO head loss" in proc.stdout and "(b) DDP" in proc.stdout, proc.stdout
     assert "all rows pass" in proc.stdout, proc.stdout[-3000:]
-    assert not (tmp_path / "ddp-1.12.0-patched" / "result.json").exists()
+    assert not (tmp_path / "ddp-1.12.0-patched" / "stale-from-an-earlier-run").exists()
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert check_rows_strict(report) == []
 
