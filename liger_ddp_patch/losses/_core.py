@@ -6,6 +6,16 @@ calls ``torch.func`` or ``torch.compile``: the only custom piece is an ordinary
 ``DistributedDataParallel.forward`` (where the ``torch.func.grad_and_value`` + ``torch.compile`` path of the
 Liger / TRL fused losses crashes with ``Cannot access storage of TensorWrapper``).
 
+Two paths
+---------
+* **One pass** (``_onepass``; taken by :meth:`ChunkedLinearLoss.one_pass` when a gradient is needed and every
+  pair / row fits one token chunk): the loss gradients are formed while each chunk's logits are in memory --
+  three GEMMs and one sweep per policy token; the backward only scales the stored gradients.
+* **Two passes** (this module's :class:`TokenLogProbs`; when a pair / row is longer than a token chunk, or the
+  one-pass path is switched off): the forward keeps one log-sum-exp per token and the backward recomputes the
+  logits -- four GEMMs per policy token, no ``(V, H)`` tensor held between forward and backward.
+* No gradient (eval, ``no_grad``, the reference model): one GEMM per token.
+
 Design
 ------
 * Only the *non-ignored* positions (``target != ignore_index``) are gathered before any GEMM: an ignored
@@ -13,7 +23,8 @@ Design
   project every position, prompt included).
 * Forward loops over chunks of ``token_chunk_size`` selected tokens.  Per chunk it forms the ``(chunk, V)``
   logits ``h @ W.T (+ b)`` in fp32, takes the target logit and the log-sum-exp, and keeps only the
-  log-sum-exp (one fp32 scalar per token) for backward.
+  log-sum-exp (one fp32 scalar per token) for backward.  On CPU the ``(chunk, V)`` buffers are reused across
+  chunks (:class:`LogitsBuffers`) and the softmax is one fused in-place ``log_softmax`` (:func:`softmax_`).
 * Backward recomputes the logits and turns them in place into ``grad_logits = g * (onehot(target) - softmax)``,
   then ``grad_h = grad_logits @ W``, ``grad_W += grad_logits.T @ h``, ``grad_b += grad_logits.sum(0)``.
 

@@ -20,6 +20,12 @@ rounding to the half dtype per chunk; Liger rounds its bf16 accumulator once per
 temporary is made.  Under autocast (fp32 weight, half GEMMs) the fp32 result is updated one vocabulary block at a
 time (``_core.vocab_block_rows``), so the half-precision product tile is block-sized.
 
+When it applies: a gradient is needed and every group fits one token chunk.  All ten DPO loss types and KTO are sums
+over groups (``dpo.ONE_PASS_DPO_LOSS_TYPES``).  A group longer than the chunk keeps the two-pass path: its rows'
+``dL/dS`` is not known before its last token, and deferring the weight gradient would need one ``(V, H)``
+accumulator per pending row (at the CPU budget, fp32 / bf16 at V = 32,000: pairs of more than 1,048 / 699 loss
+tokens; on an accelerator with an fp32-output GEMM at V = 151,936: more than 1,766).
+
 Not supported (clear errors): double backward.  ``retain_graph`` works: a second backward recomputes the gradients
 with the two-pass core from the saved inputs (exact, no extra memory kept).
 """

@@ -146,6 +146,10 @@ def dpo_preference_loss(
 class ChunkedDPOLoss(ChunkedLinearLoss):
     """Token-chunked linear + DPO loss (plain autograd; see the module docstring for formulas/metrics).
 
+    Paths (``_core`` module docstring): with a gradient, every loss type takes the one-pass path (gradients formed
+    in the forward, ``_onepass``; each type is a sum of per-pair terms) when every pair's loss tokens fit one token
+    chunk, else the two-pass path; without a gradient, one GEMM per token.
+
     Args (same names/defaults as ``LigerFusedLinearDPOLoss`` 0.8.5 and TRL 1.13 ``FusedLinearDPOLoss``):
         ignore_index: label value that marks positions without loss (prompt, padding).
         beta, alpha, compute_nll_loss, use_ref_model, average_log_prob, loss_type, label_smoothing,

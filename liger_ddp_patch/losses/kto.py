@@ -52,6 +52,9 @@ def kto_preference_loss(logps, preference_labels, ref_logps=None, beta=0.1, kl=N
 class ChunkedKTOLoss(ChunkedLinearLoss):
     """Token-chunked linear + KTO loss (plain autograd; see the module docstring for formulas/metrics).
 
+    Paths: as ``ChunkedDPOLoss``, with a row (its loss reads only its own log-prob; ``kl`` is detached) in place of
+    a pair: one pass when every row's loss tokens fit one token chunk.
+
     Args (same names/defaults as ``LigerFusedLinearKTOLoss`` 0.8.5 and TRL 1.13 ``FusedLinearKTOLoss``):
         ignore_index, beta, use_ref_model, average_log_prob: as in Liger.
         compiled: accepted and **ignored** (nothing is compiled).
