@@ -92,9 +92,10 @@ SCENARIO = {  # what a KTO + LoRA (PeftModel, no ref_model) + desirable_weight=3
         "liger_ddp_patch: KTOTrainer (TRL 1.12.0, use_liger_kernel=True) ignores desirable_weight=3.0: the Liger KTO "
         "loss has no class weights; TRL 1.13 rejects this combination. Set use_liger_kernel=False to apply it.",
         "liger_ddp_patch: KTOTrainer (TRL 1.12.0, use_liger_kernel=True) ignores the reference model (PEFT model, no "
-        "ref_model): the Liger KTO loss is built with use_ref_model=False, so it is reference-free although TRL "
-        "computes the reference (the adapter switched off, or its 'ref' copy); TRL 1.13 uses the reference. Upgrade "
-        "to TRL 1.13, pass a ref_model, or set use_liger_kernel=False.",
+        "ref_model): the Liger KTO loss is built with use_ref_model=False, so its rewards are the policy's "
+        "log-probabilities instead of log-ratios against the reference (the adapter switched off, or its 'ref' copy; "
+        "only the KL baseline uses it); TRL 1.13 uses the reference. Upgrade to TRL 1.13, pass a ref_model, or set "
+        "use_liger_kernel=False.",
     ],
     "1.13.0": [],
 }

@@ -159,8 +159,9 @@ FACTS: tuple[Dropped, ...] = (
     Dropped(
         "kto", "reference under PEFT (no ref_model)", _peft_without_reference, "a ref_model, or no PEFT",
         releases=">=1.8.0,<1.13.0", liger="",
-        lost="the Liger KTO loss is built with use_ref_model=False, so it is reference-free although TRL computes "
-        "the reference (the adapter switched off, or its 'ref' copy)",
+        lost="the Liger KTO loss is built with use_ref_model=False, so its rewards are the policy's log-probabilities "
+        "instead of log-ratios against the reference (the adapter switched off, or its 'ref' copy; only the KL "
+        "baseline uses it)",
         applied="rewards are log-ratios against that reference",
         later="TRL 1.13 uses the reference",
         remedy="Upgrade to TRL 1.13, pass a ref_model, or set use_liger_kernel=False.", upstream="TRL #7062, #7063",
