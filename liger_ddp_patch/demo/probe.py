@@ -339,6 +339,11 @@ def main(argv: list[str] | None = None) -> None:
         "all-reduce)",
     )
     args = parser.parse_args(argv)
+    unknown = [a for a in args.arms.split(",") if a not in ARMS]
+    unknown += [c for c in (args.configs or "").split(",") if c and c not in CONFIGS and c not in trainer_specs()]
+    if unknown:
+        parser.error(f"unknown arm(s) or config(s) {', '.join(unknown)}; arms: {', '.join(ARMS)}; configs: "
+                     f"{', '.join([*trainer_specs(), *CONFIGS])}")  # fmt: skip
 
     if PATCH_MODE == "after":
         from trl import DPOTrainer  # noqa: F401  (the lazy import path users take)
