@@ -202,18 +202,22 @@ class LogitsBuffers:
         self.fast = fast
         self.reuse = device.type == "cpu" and not fast and rows > 0
         mdtype = _math_dtype(cdtype)
-        self.full = torch.empty(rows, vocab, dtype=mdtype, device=device) if self.reuse else None
-        self.half = torch.empty(rows, vocab, dtype=cdtype, device=device) if self.reuse and cdtype != mdtype else None
+        self.full = torch.empty(rows * vocab, dtype=mdtype, device=device) if self.reuse else None
+        self.half = torch.empty(rows * vocab, dtype=cdtype, device=device) if self.reuse and cdtype != mdtype else None
+
+    @staticmethod
+    def _block(buf, rows, cols):  # a contiguous (rows, cols) view at the start of the buffer
+        return buf[: rows * cols].view(rows, cols)
 
     def logits(self, h, w, bias):
         """fp32 (fp64) ``h @ w.T + b``; ``h``, ``w`` in the compute dtype."""
         if not self.reuse:
             return _logits(h, w, bias, self.fast)
-        out = self.full[: h.shape[0]]
+        out = self._block(self.full, h.shape[0], w.shape[0])
         if self.half is None:
             torch.mm(h, w.t(), out=out) if bias is None else torch.addmm(bias.to(h.dtype), h, w.t(), out=out)
             return out
-        out.copy_(torch.mm(h, w.t(), out=self.half[: h.shape[0]]))
+        out.copy_(torch.mm(h, w.t(), out=self._block(self.half, h.shape[0], w.shape[0])))
         if bias is not None:
             out += bias
         return out
@@ -224,7 +228,7 @@ class LogitsBuffers:
             return grad_logits
         if self.half is None:
             return grad_logits.to(cdtype)
-        return self.half[: grad_logits.shape[0]].copy_(grad_logits)
+        return self._block(self.half, *grad_logits.shape).copy_(grad_logits)
 
 
 def softmax_(logits: torch.Tensor, labels: torch.Tensor, probs: bool = True):
@@ -326,6 +330,9 @@ def _backward_chunks(hidden2d, weight, bias, positions, labels, lse, grad_logp, 
     if need_w and grad_w.dtype != mdtype:
         tile = torch.empty(min(block, V), H, dtype=mdtype, device=device)
     gh = torch.zeros(n, H, dtype=mdtype, device=device) if need_h and block < V else None
+    bufs = LogitsBuffers(min(n, chunk), min(block, V), cdtype, device, fast)
+    # one block over the whole vocabulary on CPU: the softmax is recomputed by one fused in-place kernel
+    fused_softmax = block >= V and device.type == "cpu"
     for v0 in range(0, V, block):
         v1 = min(V, v0 + block)
         w = weight[v0:v1].to(cdtype)
@@ -338,15 +345,19 @@ def _backward_chunks(hidden2d, weight, bias, positions, labels, lse, grad_logp, 
             pos = positions[s:e]
             g = g_all[s:e]
             h = hidden2d.index_select(0, pos).to(cdtype)
-            gl = _logits(h, w, b, fast)
+            gl = bufs.logits(h, w, b)
             # gl <- g * (onehot(y) - exp(logits - lse)), in place; targets outside this block add 0
-            gl.sub_(lse[s:e].unsqueeze(1)).exp_().mul_(-g)
+            if fused_softmax:
+                torch._softmax(gl, 1, False, out=gl)
+            else:
+                gl.sub_(lse[s:e].unsqueeze(1)).exp_()
+            gl.mul_(-g)
             lab = labels[s:e] - v0
             inside = (lab >= 0) & (lab < v1 - v0)
             gl.scatter_add_(1, lab.clamp(0, v1 - v0 - 1).unsqueeze(1), g * inside.unsqueeze(1))
             if need_b:
                 grad_b[v0:v1] += gl.sum(dim=0)
-            glc = gl.to(cdtype)
+            glc = bufs.lowp(gl, cdtype)
             del gl
             if need_h:
                 if gh is None:
