@@ -87,5 +87,5 @@ def test_demo_prints_the_before_after_table():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("dpo ")]
     assert [row[1] for row in rows] == ["unpatched", "patched"]
-    assert int(rows[0][3]) > 0 and rows[1][3:5] == ["0", "0.000e+00"]
+    assert int(rows[0][3]) > 0 and rows[1][2:5] == ["25", "0", "0.000e+00"]  # every parameter counted
     assert "gradients in sync when patched" in proc.stdout

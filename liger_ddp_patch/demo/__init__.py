@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run["results"][index]
             print(_row(trainer, label, result))
             if label == "patched":
-                ok &= result.get("differing") == 0 and "error" not in result
+                # in sync, and every trainable parameter got a gradient (0 of 1 counted would also read "0 differing")
+                ok &= "error" not in result and result["differing"] == 0 and result["params"] == result["trainable"]
     print("\npatches:", ", ".join(f"{s['name']}={s['status']}" for s in runs["patched"]["report"] or []))
     print(
         f"took {time.monotonic() - started:.0f} s; "

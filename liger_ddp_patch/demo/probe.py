@@ -167,7 +167,9 @@ def compare_across_ranks(model: torch.nn.Module) -> dict:
         if diff > 0:
             differing += 1
             names.append(name)
-    return {"params": total, "differing": differing, "max_abs_diff": max_diff, "differing_names": names[:5]}
+    trainable = sum(p.requires_grad for p in model.parameters())  # what "params" must reach: every one got a gradient
+    return {"params": total, "trainable": trainable, "differing": differing, "max_abs_diff": max_diff,
+            "differing_names": names[:5]}  # fmt: skip
 
 
 def _optional(args) -> dict:
