@@ -113,6 +113,7 @@ def worker(arm, dtype, B, L, frac, reps, token_chunk_size, threads, kind):
                 times=times,
                 mem_mb=(sampler.peak - base) / 2**20,
                 tokens=int((x["t"] != -100).sum()),
+                grad_fn=getattr(step, "grad_fn", None),
                 threads=torch.get_num_threads(),
             )
         )
@@ -206,6 +207,40 @@ def table(configs, rounds):
     return "\n".join(lines)
 
 
+def readme_table(configs, rounds):
+    """The README's compact table: per row ours' memory against Liger's and the time ratios (medians of per-round
+    ratios), ``ours/ours_2p`` being the one-pass gain ("after / before") where the one-pass path applies."""
+    cols = [("ours_2p", "ours/before"), ("liger", "ours/Liger"), ("liger_c", "ours/Liger compiled")]
+    cols += [("trl114", "ours/TRL 1.14"), ("mat", "ours/mat"), ("gemm", "ours/GEMM floor")]
+    hdr = ["loss", "dtype", "prompt", "B x L", "path", "ours MB", "Liger MB", "ours/Liger mem", "ours/before mem"]
+    hdr += [f"{name} time" for _, name in cols]
+    lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+    for cfg in configs:
+        kind, dtype, B, L, frac = cfg
+        runs = [r.get(cfg, {}) for r in rounds]
+
+        def med(arm, key, runs=runs):
+            return _med([run[arm][key] if run.get(arm) else None for run in runs])
+
+        def ratio(peer, key, runs=runs):
+            vals = [
+                run["ours"][key] / run[peer][key] if run.get("ours") and run.get(peer) and run[peer][key] else None
+                for run in runs
+            ]
+            return _med(vals)
+
+        def fmt(x, spec):
+            return "-" if x is None else format(x, spec)
+
+        path = next((run["ours"].get("grad_fn") for run in runs if run.get("ours")), None)
+        row = [kind.upper(), {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype), f"{frac:.0%}", f"{B} x {L}"]
+        row += ["one" if path and "OnePassLoss" in path else "two", fmt(med("ours", "mem_mb"), ".0f")]
+        row += [fmt(med("liger", "mem_mb"), ".0f"), fmt(ratio("liger", "mem_mb"), ".2f")]
+        row += [fmt(ratio("ours_2p", "mem_mb"), ".2f")] + [fmt(ratio(p, "time"), ".2f") for p, _ in cols]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", nargs=5, metavar=("ARM", "DTYPE", "B", "L", "FRAC"))
@@ -251,6 +286,8 @@ def main():
             with open(args.json, "w") as fh:
                 json.dump([{"|".join(map(str, cfg)): v for cfg, v in rnd.items()} for rnd in rounds], fh, indent=1)
     print(table(configs, rounds))
+    print()
+    print(readme_table(configs, rounds))
     print(f"(total wall time {time.time() - started:.0f} s)")
 
 
