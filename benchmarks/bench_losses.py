@@ -163,12 +163,26 @@ def _med(xs):
     return statistics.median(xs) if xs else None
 
 
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def _stats(runs):
+    """``(med, ratio)`` over one configuration's rounds: an arm's median, and the median of per-round ours/peer."""
+
+    def med(arm, key):
+        return _med([run[arm][key] if run.get(arm) else None for run in runs])
+
+    def ratio(peer, key):
+        both = [run for run in runs if run.get("ours") and run.get(peer) and run[peer][key]]
+        return _med([run["ours"][key] / run[peer][key] for run in both])
+
+    return med, ratio
+
+
 def table(configs, rounds):
     """Markdown rows: per configuration, each arm's median time/memory and ours/peer median per-round ratios."""
-
-    def fmt(x, spec):
-        return "-" if x is None else format(x, spec)
-
+    fmt = _fmt
     hdr = ["loss", "dtype", "prompt", "B x L", "tokens w/ loss", "ours s", "ours MB"]
     for p in PEERS:
         hdr += [f"{p} s", f"{p} MB"] if p != "gemm" else ["gemm s"]
@@ -177,18 +191,7 @@ def table(configs, rounds):
     for cfg in configs:
         kind, dtype, B, L, frac = cfg
         runs = [r.get(cfg, {}) for r in rounds]
-
-        def med(arm, key, runs=runs):
-            return _med([run[arm][key] if run.get(arm) else None for run in runs])
-
-        def ratio(peer, key, runs=runs):
-            return _med(
-                [
-                    run["ours"][key] / run[peer][key] if run.get("ours") and run.get(peer) and run[peer][key] else None
-                    for run in runs
-                ]
-            )
-
+        med, ratio = _stats(runs)
         tokens = next((run[a]["tokens"] for run in runs for a in run if run.get(a)), None)
         row = [
             kind.upper(),
@@ -218,20 +221,8 @@ def readme_table(configs, rounds):
     for cfg in configs:
         kind, dtype, B, L, frac = cfg
         runs = [r.get(cfg, {}) for r in rounds]
-
-        def med(arm, key, runs=runs):
-            return _med([run[arm][key] if run.get(arm) else None for run in runs])
-
-        def ratio(peer, key, runs=runs):
-            vals = [
-                run["ours"][key] / run[peer][key] if run.get("ours") and run.get(peer) and run[peer][key] else None
-                for run in runs
-            ]
-            return _med(vals)
-
-        def fmt(x, spec):
-            return "-" if x is None else format(x, spec)
-
+        med, ratio = _stats(runs)
+        fmt = _fmt
         path = next((run["ours"].get("grad_fn") for run in runs if run.get("ours")), None)
         row = [kind.upper(), {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype), f"{frac:.0%}", f"{B} x {L}"]
         row += ["one" if path and "OnePassLoss" in path else "two", fmt(med("ours", "mem_mb"), ".0f")]
