@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from liger_ddp_patch import log
 from liger_ddp_patch.demo import free_port
 from liger_ddp_patch.patches import compute_loss, pitfalls
 from liger_ddp_patch.patches.trainers import DPO
@@ -91,7 +92,7 @@ def records(monkeypatch):
     """Every record of the package logger, on rank 0 of a fresh process (the once-per-process guard reset)."""
     for var in ("RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(pitfalls, "_warned", False)
+    monkeypatch.setattr(log, "_warned", set())
     seen: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = seen.append

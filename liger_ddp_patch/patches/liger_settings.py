@@ -14,9 +14,10 @@ by a one-process run per release in ``tests/test_liger_settings.py``. Nothing he
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+from ._peft import is_peft_model
 
 
 class Call(NamedTuple):
@@ -70,13 +71,6 @@ def _f_divergence(call: Call) -> str | None:
     if kind == "alpha_divergence" and abs(getattr(call.args, "f_alpha_divergence_coef", 0.5) - 1.0) < 1e-6:
         return None
     return f"f_divergence_type={kind!r}"
-
-
-def is_peft_model(model: Any) -> bool:
-    """As TRL decides it (accelerate's ``is_peft_model``): a ``PeftModel`` instance; peft is never imported here."""
-    peft = sys.modules.get("peft")
-    kinds = tuple(getattr(peft, n) for n in ("PeftModel", "PeftMixedModel") if hasattr(peft, n)) if peft else ()
-    return bool(kinds) and isinstance(model, kinds)
 
 
 def _peft_without_reference(call: Call) -> str | None:

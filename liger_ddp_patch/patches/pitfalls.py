@@ -9,10 +9,10 @@ through the wrapper, it reaches DDP's check.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from ..log import emit
+from ..log import warn_once
+from ._peft import is_peft_model
 
 MESSAGE = (
     "liger_ddp_patch: DistributedDataParallel will fail in backward with 'Expected to mark a variable ready only "
@@ -22,13 +22,6 @@ MESSAGE = (
     'synchronised. Fix: gradient_checkpointing_kwargs={"use_reentrant": False}, or ddp_find_unused_parameters=False.'
 )
 NOTE = "DDP will reject reentrant checkpointing of a PeftModel with find_unused_parameters=True (warned)"
-_warned = False
-
-
-def is_peft_model(model: Any) -> bool:
-    """``isinstance(model, peft.PeftModel)`` without importing peft: a model cannot be one unless peft is loaded."""
-    peft = sys.modules.get("peft")
-    return peft is not None and isinstance(model, getattr(peft, "PeftModel", ()))
 
 
 def reentrant_checkpointing(model: Any) -> bool:
@@ -57,10 +50,7 @@ def ddp_rejects(wrapper: Any, model: Any) -> bool:
 
 def warn(wrapper: Any, model: Any) -> str | None:
     """Warn once per process (rank 0) when DDP will reject this setup; the note for the report, else ``None``."""
-    global _warned
     if not ddp_rejects(wrapper, model):
         return None
-    if not _warned:
-        _warned = True
-        emit(30, MESSAGE)  # logging.WARNING
+    warn_once(NOTE, MESSAGE)
     return NOTE
