@@ -39,17 +39,6 @@ def checker(spec: TrainerSpec) -> Callable[[Any], str | None]:
     return check
 
 
-def dropped(spec: TrainerSpec, call: liger_settings.Call, trl: str, liger: str | None) -> list[tuple[str, str]]:
-    """``(setting, shown value)`` for every setting of ``call`` that this TRL's Liger path drops."""
-    found = []
-    for fact in liger_settings.facts(spec.name):
-        if liger_settings.dropped_in(fact, trl, liger):
-            shown = fact.read(call)
-            if shown is not None:
-                found.append((fact.setting, shown))
-    return found
-
-
 def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
     """The ``replace`` of ``spec``'s liger_settings record (``engine``: where the warnings are recorded)."""
     name = spec.liger_settings_patch
@@ -59,7 +48,8 @@ def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
 
         signature = inspect.signature(original)
         trl, liger = installed_version("trl"), installed_version("liger-kernel")
-        facts = {fact.setting: fact for fact in liger_settings.facts(spec.name)}
+        # the installed releases are fixed once the hook fires: keep only the facts true of them
+        facts = [f for f in liger_settings.facts(spec.name) if liger_settings.dropped_in(f, trl, liger)]
 
         @functools.wraps(original)
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -71,10 +61,12 @@ def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
                     call = liger_settings.Call(
                         config, bound.get("model"), bound.get("ref_model"), bound.get("peft_config")
                     )
-                    for setting, shown in dropped(spec, call, trl, liger):
-                        text = liger_settings.message(facts[setting], trainer, trl, shown)
-                        engine.note(name, trainer, text)
-                        warn_once((trainer, setting), text)
+                    for fact in facts:
+                        shown = fact.read(call)
+                        if shown is not None:
+                            text = liger_settings.message(fact, trainer, trl, shown)
+                            engine.note(name, trainer, text)
+                            warn_once((trainer, fact.setting), text)
             except Exception as exc:  # never break the user's script over a warning
                 engine.note(name, trainer, f"settings not checked: reading them raised {type(exc).__name__}: {exc}")
             original(self, *args, **kwargs)
