@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from _fakes import RecordingEngine
 from torch import nn
 
 from liger_ddp_patch.demo import free_port
@@ -117,17 +118,6 @@ class Trainer:
         self.liger_loss = FusedLoss()
 
 
-class Engine:  # the two engine calls the replacement makes
-    def __init__(self):
-        self.notes = []
-
-    def original(self, name):
-        return FusedLoss if name.endswith("_chunked_loss") else None
-
-    def note(self, name, key, decision):
-        self.notes.append((name, key, decision))
-
-
 def call_replacement(spec, model):
     """One call of ``spec``'s compute_loss replacement with ``model``: what TRL's original saw, what the wrapper saw."""
     calls, forwards, result = [], [], torch.tensor(0.5)
@@ -139,7 +129,7 @@ def call_replacement(spec, model):
     model.register_forward_pre_hook(lambda _, args, kwargs: forwards.append(args), with_kwargs=True)
     trainer, inputs = Trainer(), {"x": torch.ones(4, 3)}
     loss = trainer.liger_loss
-    engine = Engine()
+    engine = RecordingEngine({spec.chunked_loss_patch: FusedLoss})  # the fused class its chunked record checked
     returned = replacer(spec)(compute_loss, engine)(trainer, model, inputs, False, 7)
     return SimpleNamespace(
         calls=calls, forwards=forwards, trainer=trainer, inputs=inputs, loss=loss, result=result, returned=returned,

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
+from _fakes import RecordingEngine
 from test_versions import ROOT, require
 
 from liger_ddp_patch import log
@@ -256,16 +257,8 @@ def test_warn_once_is_once_per_key_and_rank_0_only(monkeypatch, caplog):
     assert [r.getMessage() for r in caplog.records] == ["first", "other"]
 
 
-class _Engine:
-    def __init__(self):
-        self.notes = []
-
-    def note(self, name, key, decision):
-        self.notes.append((name, key, decision))
-
-
 def _wrapped(spec, original):
-    return settings_warning.replacer(spec)(original, engine := _Engine()), engine
+    return settings_warning.replacer(spec)(original, engine := RecordingEngine()), engine
 
 
 def test_a_failing_read_is_recorded_and_the_original_still_runs(monkeypatch):

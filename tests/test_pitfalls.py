@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from _fakes import RecordingEngine
 from torch import nn
 
 from liger_ddp_patch import log
@@ -67,17 +68,6 @@ def test_peft_is_not_imported_to_ask(monkeypatch):
     assert "peft" not in sys.modules
 
 
-class Engine:
-    def __init__(self):
-        self.notes = []
-
-    def note(self, name, key, decision):
-        self.notes.append((name, key, decision))
-
-    def original(self, name):
-        return None
-
-
 class Trainer:  # what the replacement reads from a TRL trainer
     use_liger_kernel = True
 
@@ -102,10 +92,10 @@ def records(monkeypatch):
     logger.removeHandler(handler)
 
 
-def run_twice(model, find_unused: bool) -> Engine:
+def run_twice(model, find_unused: bool) -> RecordingEngine:
     """Two training steps' compute_loss calls through the package's replacement, under a real DDP wrapper."""
     ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused)
-    engine = Engine()
+    engine = RecordingEngine()
     replaced = compute_loss.replacer(DPO)(lambda self, model, inputs, *_: torch.zeros(()), engine)
     for _ in range(2):
         replaced(Trainer(), ddp, {}, False, None)
