@@ -91,13 +91,15 @@ def _guard_is_live(calls):
     del calls[n:]
 
 
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("compiled", [True, False])
-def test_our_losses_never_call_functorch_or_compile(forbid_functorch_and_compile, compiled):
+def test_our_losses_never_call_functorch_or_compile(forbid_functorch_and_compile, compiled, one_pass):
     calls = forbid_functorch_and_compile
     _guard_is_live(calls)  # so that an empty `calls` below means something
-    loss, x = _dpo_step(ChunkedDPOLoss, compiled=compiled, compute_nll_loss=True, token_chunk_size=5)
+    kw = dict(compiled=compiled, token_chunk_size=5, one_pass=one_pass)
+    loss, x = _dpo_step(ChunkedDPOLoss, compute_nll_loss=True, **kw)
     assert torch.isfinite(loss) and x["weight"].grad is not None
-    loss, x = _kto_step(ChunkedKTOLoss, compiled=compiled, use_ref_model=True, token_chunk_size=5)
+    loss, x = _kto_step(ChunkedKTOLoss, use_ref_model=True, **kw)
     assert torch.isfinite(loss) and x["hidden"].grad is not None
     assert calls == [], f"forbidden calls during our loss forward/backward: {calls}"
 
@@ -116,7 +118,7 @@ def test_guard_sees_an_aliased_functorch_call_inside_our_backward(forbid_functor
 
     monkeypatch.setattr(_core, "_add_product", broken)
     calls = forbid_functorch_and_compile
-    loss, x = _dpo_step(ChunkedDPOLoss, token_chunk_size=5)
+    loss, x = _dpo_step(ChunkedDPOLoss, token_chunk_size=5, one_pass=False)  # the two-pass backward
     assert x["weight"].grad is not None
     assert any("_functorch" in c for c in calls), calls
 

@@ -1,8 +1,11 @@
 """The one-pass path of the chunked losses (``liger_ddp_patch/losses/_onepass.py``) beyond plain parity.
 
-* which DPO loss types may take it (a loss that coupled pairs could not) and that they do;
+* which DPO loss types may take it (a loss that coupled pairs could not) and that they do, pairs longer than a
+  token chunk included (``one_pass=False`` forces the two-pass path);
 * ``grad_output`` other than 1, a loss called twice before one backward, ``retain_graph``, accumulation into an
-  existing ``.grad`` -- all equal to the two-pass path; double backward raises a clear error;
+  existing ``.grad`` -- all equal to the two-pass path, with whole pairs per chunk and with pairs longer than a
+  chunk; double backward raises a clear error;
+* the chunk plan of pairs longer than a chunk (long pairs first, each ends in a chunk of whole pairs);
 * GEMM counts: three per policy token with a gradient (two with a frozen head), one without (eval / ``no_grad``);
 * the accelerator branch (fp32-output GEMMs ``torch.mm/addmm(..., out_dtype=torch.float32)``, vocabulary blocks,
   the fp32 weight-gradient tile), forced on CPU with an emulation of ``out_dtype``, against the plain bf16 path.
@@ -12,13 +15,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _loss_cases import DPO_LOSS_TYPES, call_kto, leaf_copies, make_inputs
+from _loss_cases import DPO_LOSS_TYPES, IGNORE, call_kto, leaf_copies, make_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss
+from liger_ddp_patch.losses._onepass import group_chunks
 from liger_ddp_patch.losses.dpo import ONE_PASS_DPO_LOSS_TYPES, dpo_preference_loss
 
-TWO_PASS, ONE_PASS = 4, 26  # token chunks: rows split (two-pass) / whole pairs of L=13 (one-pass)
+LONG, WHOLE = 4, 26  # token chunks: every pair longer than a chunk / whole pairs of L=13 per chunk
 SMOOTHING = {"exo_pair": 1e-3, "robust": 0.1}
 
 
@@ -73,8 +77,27 @@ def test_every_one_pass_loss_type_is_pair_separable(loss_type):
 @pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
 def test_every_one_pass_loss_type_takes_it(loss_type):
     x = leaf_copies(make_inputs(seed=2))
-    assert _path(_dpo_loss(x, loss_type, token_chunk_size=ONE_PASS)[0]) == "one-pass"
-    assert _path(_dpo_loss(x, loss_type, token_chunk_size=TWO_PASS)[0]) == "two-pass"  # a pair > the chunk
+    assert _path(_dpo_loss(x, loss_type, token_chunk_size=WHOLE)[0]) == "one-pass"
+    assert _path(_dpo_loss(x, loss_type, token_chunk_size=LONG)[0]) == "one-pass"  # every pair > the chunk
+    assert _path(_dpo_loss(x, loss_type, token_chunk_size=LONG, one_pass=False)[0]) == "two-pass"
+
+
+def test_chunk_plan_puts_long_pairs_first_and_ends_each_in_a_chunk_of_its_own():
+    """Pairs (rows 0 + 2, rows 1 + 3) of 11 and 3 loss tokens, chunk 4: the long pair goes first in two pending
+    chunks (its rows' factors are not known yet), its last 3 tokens end it in a chunk that finishes it, and the
+    short pair gets a chunk of its own (it does not fit beside them)."""
+    counts = torch.tensor([5, 2, 6, 1])
+    rows = torch.repeat_interleave(torch.arange(4), counts)
+    order, plan = group_chunks(rows, torch.tensor([0, 1, 0, 1]), counts, 4)
+    assert order.tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 10, 11, 12, 5, 6, 13]
+    assert plan == [
+        (0, 4, [(0, 4, 0)], []),
+        (4, 8, [(4, 5, 0), (5, 8, 2)], []),
+        (8, 11, None, [(0, 5, 0), (5, 8, 2)]),
+        (11, 14, None, []),
+    ]
+    _, whole = group_chunks(rows, torch.tensor([0, 1, 0, 1]), counts, 11)
+    assert whole == [(0, 11, None, []), (11, 14, None, [])]
 
 
 # --------------------------------------------------------------------------------------- autograd contracts
@@ -82,37 +105,43 @@ def test_every_one_pass_loss_type_takes_it(loss_type):
 
 def _two_pass_grads(seed, scale=1.0, **kw):
     x = leaf_copies(make_inputs(seed=seed))
-    loss, _ = _dpo_loss(x, token_chunk_size=TWO_PASS, **kw)
+    loss, _ = _dpo_loss(x, token_chunk_size=LONG, one_pass=False, **kw)
     (loss * scale).backward()
     return _grads(x)
 
 
-def test_grad_output_other_than_one_and_accumulation():
+CHUNKS = pytest.mark.parametrize("chunk", [WHOLE, LONG], ids=["whole-pairs", "long-pairs"])
+
+
+@CHUNKS
+def test_grad_output_other_than_one_and_accumulation(chunk):
     want = _two_pass_grads(1, compute_nll_loss=True)
     x = leaf_copies(make_inputs(seed=1))
-    loss, _ = _dpo_loss(x, token_chunk_size=ONE_PASS, compute_nll_loss=True)
+    loss, _ = _dpo_loss(x, token_chunk_size=chunk, compute_nll_loss=True)
     assert _path(loss) == "one-pass"
     (loss * 2.5).backward()  # loss scaling
     _assert_close(_grads(x), [2.5 * w for w in want], what="x2.5")
-    loss, _ = _dpo_loss(x, token_chunk_size=ONE_PASS, compute_nll_loss=True)
+    loss, _ = _dpo_loss(x, token_chunk_size=chunk, compute_nll_loss=True)
     (loss * -0.5).backward()  # accumulates into the existing .grad
     _assert_close(_grads(x), [2.0 * w for w in want], what="x2.5 - x0.5")
 
 
-def test_loss_called_twice_before_one_backward():
+@CHUNKS
+def test_loss_called_twice_before_one_backward(chunk):
     want = _two_pass_grads(4, compute_nll_loss=True)
     x = leaf_copies(make_inputs(seed=4))
-    a, _ = _dpo_loss(x, token_chunk_size=ONE_PASS, compute_nll_loss=True)
+    a, _ = _dpo_loss(x, token_chunk_size=chunk, compute_nll_loss=True)
     b, _ = _dpo_loss(x, token_chunk_size=None, compute_nll_loss=True)
     assert _path(a) == _path(b) == "one-pass"
     (a + 3 * b).backward()
     _assert_close(_grads(x), [4 * w for w in want], what="a + 3 b")
 
 
-def test_retain_graph_backward_twice():
+@CHUNKS
+def test_retain_graph_backward_twice(chunk):
     want = _two_pass_grads(6)
     x = leaf_copies(make_inputs(seed=6))
-    loss, _ = _dpo_loss(x, token_chunk_size=ONE_PASS)
+    loss, _ = _dpo_loss(x, token_chunk_size=chunk)
     loss.backward(retain_graph=True)
     _assert_close(_grads(x), want, what="first")
     (2 * loss).backward()  # the stored gradients were handed over: recomputed by the two-pass core
@@ -123,7 +152,7 @@ def test_retain_graph_backward_twice():
 def test_double_backward_raises_a_clear_error(kind):
     x = leaf_copies(make_inputs(seed=8))
     if kind == "dpo":
-        loss, _ = _dpo_loss(x, token_chunk_size=ONE_PASS)
+        loss, _ = _dpo_loss(x, token_chunk_size=WHOLE)
     else:
         loss, _ = call_kto(ChunkedKTOLoss(token_chunk_size=13), x, torch.tensor([True, False] * 3))
     assert _path(loss) == "one-pass"
@@ -137,10 +166,14 @@ def test_double_backward_raises_a_clear_error(kind):
 class CountGemms(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.gemms = 0
+        self.gemms = self.flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.gemms += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
+        op = func.overloadpacket
+        if op in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            a, b = args[:2] if op is torch.ops.aten.mm else args[1:3]
+            self.gemms += 1
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
         return func(*args, **(kwargs or {}))
 
 
@@ -168,7 +201,22 @@ def test_gemms_per_policy_chunk(frozen_weight, grad, per_chunk):
         assert _path(loss) == "one-pass"
         y = leaf_copies(make_inputs(seed=12, bias=False))
         y["weight"].requires_grad_(not frozen_weight)
-        _dpo_loss(y, token_chunk_size=TWO_PASS)[0].backward()
+        _dpo_loss(y, token_chunk_size=LONG, one_pass=False)[0].backward()
         assert (x["weight"].grad is None) == frozen_weight
         for k in ("hidden",) + (() if frozen_weight else ("weight",)):
             torch.testing.assert_close(x[k].grad, y[k].grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("frozen_weight", "per_token"), [(False, 3), (True, 2)])
+def test_gemm_work_with_pairs_longer_than_a_chunk(frozen_weight, per_token):
+    """Pairs longer than the chunk: the weight-gradient GEMM of a pending chunk is split by row, but the work is
+    still 3 (frozen head: 2) token x V x H products per policy token, plus 1 per reference token."""
+    x = leaf_copies(make_inputs(seed=13, bias=False))
+    x["weight"].requires_grad_(not frozen_weight)
+    tokens = int((x["target"] != IGNORE).sum())
+    V, H = x["weight"].shape
+    with CountGemms() as mode:
+        loss, _ = _dpo_loss(x, token_chunk_size=LONG)
+        loss.backward()
+    assert _path(loss) == "one-pass"
+    assert mode.flops == (per_token + 1) * 2 * tokens * V * H, (mode.flops, tokens, V, H)

@@ -33,7 +33,7 @@ from liger_ddp_patch.losses._core import token_logprobs
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = ATOL = 1e-5
-TINY_CHUNK = 4  # < L=13: every sequence is split across token chunks, chunks straddle rows (two-pass path)
+TINY_CHUNK = 4  # < L=13: every sequence is split across token chunks (one pass with long pairs / rows; two passes)
 # >= the tokens of any pair (2 L) / row (L): whole pairs/rows per chunk, several chunks per batch (one-pass path)
 PAIR_CHUNK, ROW_CHUNK = 2 * 13, 13
 
@@ -87,7 +87,7 @@ def _compare(tag, names, ours, ref, rtol=RTOL, atol=ATOL):
     assert not bad, "\n".join(bad)
 
 
-def _run_dpo(cls, kwargs, inp, scale=1.0):
+def _run_dpo(cls, kwargs, inp, scale=1.0):  # kwargs may carry our own one_pass=False (two-pass path)
     x = leaf_copies(inp)
     loss_fn = cls(**kwargs)
     loss, metrics = loss_fn(
@@ -117,20 +117,24 @@ def _path(loss):
     return "one-pass" if "OnePassLoss" in loss.grad_fn.name() else "two-pass"
 
 
-def _expected_path(token_chunk_size, group_tokens):
-    return "one-pass" if token_chunk_size is None or token_chunk_size >= group_tokens else "two-pass"
+def _variants(token_chunk_size, whole):
+    """``(token_chunk_size, one_pass)`` runs: the given chunk on both paths and, when that splits groups, whole
+    groups per chunk (``whole`` tokens) on the one-pass path."""
+    return dict.fromkeys(
+        [(token_chunk_size, True), (token_chunk_size, False), (max(whole, token_chunk_size or 0), True)]
+    )
 
 
 def _check_dpo(which, kwargs, inp, token_chunk_size=TINY_CHUNK, scale=1.0, tag=None):
-    """Ours against the reference at ``token_chunk_size`` and, when that splits pairs, also at whole pairs per chunk
-    (the one-pass path), checking which path ran."""
+    """Ours against the reference at ``token_chunk_size`` on both paths (one pass, two passes) and, when that chunk
+    splits pairs, at whole pairs per chunk, checking which path ran."""
     ref_cls = _ref_cls("dpo", which)
     ref = _run_dpo(ref_cls, dict(kwargs, compiled=False), inp, scale)
     tag = tag or f"dpo-{which}"
     pair_tokens = int((inp["target"] != kwargs.get("ignore_index", IGNORE)).sum(1).view(2, -1).sum(0).max())
-    for tcs in dict.fromkeys((token_chunk_size, max(PAIR_CHUNK, pair_tokens))):
-        ours = _run_dpo(ChunkedDPOLoss, dict(kwargs, token_chunk_size=tcs), inp, scale)
-        assert _path(ours[0]) == _expected_path(tcs, pair_tokens), (tcs, pair_tokens, ours[0].grad_fn)
+    for tcs, one_pass in _variants(token_chunk_size, max(PAIR_CHUNK, pair_tokens)):
+        ours = _run_dpo(ChunkedDPOLoss, dict(kwargs, token_chunk_size=tcs, one_pass=one_pass), inp, scale)
+        assert _path(ours[0]) == ("one-pass" if one_pass else "two-pass"), (tcs, pair_tokens, ours[0].grad_fn)
         assert len(ours[1]) == len(ref[1]) == 7
         for a, b in zip(ours[1], ref[1]):
             assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
@@ -181,25 +185,28 @@ def test_dpo_single_pair_and_larger_vocab(which):
     _check_dpo(which, _dpo_kwargs("sigmoid", average_log_prob=True), inp, token_chunk_size=3)
 
 
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("token_chunk_size", [TINY_CHUNK, PAIR_CHUNK])
-def test_dpo_average_fully_ignored_row_is_nan_like_liger(token_chunk_size):
+def test_dpo_average_fully_ignored_row_is_nan_like_liger(token_chunk_size, one_pass):
     ref_cls = _ref_cls("dpo", "liger")
     inp = make_inputs(seed=5, fully_ignored_row=True)
     kwargs = _dpo_kwargs("sigmoid", average_log_prob=True)
-    ours = _run_dpo(ChunkedDPOLoss, dict(kwargs, token_chunk_size=token_chunk_size), inp)
+    ours = _run_dpo(ChunkedDPOLoss, dict(kwargs, token_chunk_size=token_chunk_size, one_pass=one_pass), inp)
     ref = _run_dpo(ref_cls, dict(kwargs, compiled=False), inp)
     _compare("dpo-liger-nan", ("loss",), (ours[0],), (ref[0],))
     _compare("dpo-liger-nan", DPO_METRICS, ours[1], ref[1])
     assert torch.isnan(ours[0])
 
 
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
 @pytest.mark.parametrize("token_chunk_size", [TINY_CHUNK, PAIR_CHUNK])
-def test_dpo_only_weight_requires_grad_and_no_grad_mode(token_chunk_size):
+def test_dpo_only_weight_requires_grad_and_no_grad_mode(token_chunk_size, one_pass):
     ref_cls = _ref_cls("dpo", "liger")
     inp = make_inputs(seed=9)
     kwargs = _dpo_kwargs("sigmoid", compute_nll_loss=True)
     res = []
-    for cls, extra in ((ChunkedDPOLoss, dict(token_chunk_size=token_chunk_size)), (ref_cls, dict(compiled=False))):
+    ours_kw = dict(token_chunk_size=token_chunk_size, one_pass=one_pass)
+    for cls, extra in ((ChunkedDPOLoss, ours_kw), (ref_cls, dict(compiled=False))):
         w = inp["weight"].clone().requires_grad_(True)
         loss, metrics = cls(**kwargs, **extra)(
             w, inp["hidden"], inp["target"], inp["bias"], inp["ref_hidden"], inp["ref_weight"], inp["ref_bias"]
@@ -215,8 +222,12 @@ def test_dpo_only_weight_requires_grad_and_no_grad_mode(token_chunk_size):
     _compare("dpo-liger-wonly", DPO_METRICS, a[4], b[4])
 
 
-@pytest.mark.parametrize("token_chunk_size", [TINY_CHUNK, PAIR_CHUNK, None], ids=["two-pass", "one-pass", "one-chunk"])
-def test_bf16_dpo_against_fp32_truth(token_chunk_size):
+@pytest.mark.parametrize(
+    ("token_chunk_size", "one_pass"),
+    [(TINY_CHUNK, False), (TINY_CHUNK, True), (PAIR_CHUNK, True), (None, True)],
+    ids=["two-pass", "one-pass-long", "one-pass", "one-chunk"],
+)
+def test_bf16_dpo_against_fp32_truth(token_chunk_size, one_pass):
     """bf16 inputs: our result vs the fp32 truth (Liger fp32 on the same bf16-representable values).
 
     Tolerance: the GEMM inputs are bf16 (8-bit mantissa, unit round-off 2^-9 ~ 2e-3) and the per-chunk GEMM
@@ -231,8 +242,8 @@ def test_bf16_dpo_against_fp32_truth(token_chunk_size):
     inp32 = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inp16.items()}
     kwargs = _dpo_kwargs("sigmoid", compute_nll_loss=True)
     truth = _run_dpo(ref_cls, dict(kwargs, compiled=False), inp32)
-    ours = _run_dpo(ChunkedDPOLoss, dict(kwargs, token_chunk_size=token_chunk_size), inp16)
-    assert _path(ours[0]) == _expected_path(token_chunk_size, PAIR_CHUNK)
+    ours = _run_dpo(ChunkedDPOLoss, dict(kwargs, token_chunk_size=token_chunk_size, one_pass=one_pass), inp16)
+    assert _path(ours[0]) == ("one-pass" if one_pass else "two-pass")
     liger16 = _run_dpo(ref_cls, dict(kwargs, compiled=False), inp16)
     assert ours[0].dtype == liger16[0].dtype == torch.float32
     for g_o, g_l in zip(ours[2], liger16[2]):
@@ -267,10 +278,12 @@ def test_kto_parity(bias, use_ref, avg, kl_kind, which):
     labels = _kto_labels(batch)
     kl = {"none": None, "scalar": torch.tensor(0.37), "vector": torch.linspace(-0.5, 0.5, batch)}[kl_kind]
     kwargs = dict(beta=0.3, use_ref_model=use_ref, average_log_prob=avg)
+    variants = _variants(TINY_CHUNK, ROW_CHUNK)
     runs = [
-        _run_kto(ChunkedKTOLoss, dict(kwargs, token_chunk_size=tcs), inp, labels, kl) for tcs in (TINY_CHUNK, ROW_CHUNK)
+        _run_kto(ChunkedKTOLoss, dict(kwargs, token_chunk_size=tcs, one_pass=one), inp, labels, kl)
+        for tcs, one in variants
     ]
-    assert [_path(r[0]) for r in runs] == ["two-pass", "one-pass"]
+    assert [_path(r[0]) for r in runs] == ["one-pass", "two-pass", "one-pass"]
     # A per-row (B,) kl is not chunked by the fused losses: each row chunk broadcasts its (1,) log-ratio against
     # the whole (B,) kl, so their result depends on chunk_size.  TRL only ever passes a scalar kl.  We apply a
     # (B,) kl row-wise, which is what the fused losses compute when the whole batch is one chunk.
@@ -296,9 +309,10 @@ def test_kto_noncontiguous_input_like_trl(which):
     inp["target"] = make_target(4, 13, inp["weight"].shape[0], seed=41)
     labels = torch.tensor([True, False, False, True])
     ref = _run_kto(ref_cls, dict(use_ref_model=True, compiled=False), inp, labels, torch.tensor(0.1))
-    for tcs in (3, ROW_CHUNK):
-        ours = _run_kto(ChunkedKTOLoss, dict(use_ref_model=True, token_chunk_size=tcs), inp, labels, torch.tensor(0.1))
-        assert _path(ours[0]) == _expected_path(tcs, ROW_CHUNK)
+    for tcs, one in _variants(3, ROW_CHUNK):
+        kw = dict(use_ref_model=True, token_chunk_size=tcs, one_pass=one)
+        ours = _run_kto(ChunkedKTOLoss, kw, inp, labels, torch.tensor(0.1))
+        assert _path(ours[0]) == ("one-pass" if one else "two-pass")
         _compare(f"kto-{which}", ("loss",) + KTO_METRICS, (ours[0],) + tuple(ours[1]), (ref[0],) + tuple(ref[1]))
         _compare(f"kto-{which}", ("grad_hidden", "grad_weight", "grad_bias"), ours[2], ref[2])
 

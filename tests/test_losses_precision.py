@@ -56,39 +56,53 @@ def _dpo(cls, x, **kw):
     return loss, metrics
 
 
-def _vh_allocations_in_a_step(dtype, token_chunk_size, batch):
+def _vh_allocations_in_a_step(dtype, token_chunk_size, batch, one_pass, short_first=False):
     """(V, H)-sized allocations of one forward + backward, and the path that ran (the one-pass path makes its
-    weight gradient in the forward)."""
-    x = leaf_copies(_dpo_inputs(dtype, batch=batch))
+    weight gradient in the forward).  ``short_first``: the first pair keeps 5 loss tokens per row."""
+    x = _dpo_inputs(dtype, batch=batch)
+    if short_first:
+        x["target"][[0, batch // 2], :19] = -100
+    x = leaf_copies(x)
     V, H = x["weight"].shape
     with FreshAllocations() as mode:
-        loss, _ = _dpo(ChunkedDPOLoss, x, token_chunk_size=token_chunk_size, compute_nll_loss=True)
+        loss, _ = _dpo(ChunkedDPOLoss, x, token_chunk_size=token_chunk_size, compute_nll_loss=True, one_pass=one_pass)
         loss.backward()
     assert x["weight"].grad.dtype == dtype and torch.isfinite(x["weight"].grad.float()).all()
     path = "one-pass" if "OnePassLoss" in loss.grad_fn.name() else "two-pass"
     return sum(1 for n in mode.sizes if n >= V * H), path
 
 
-# 18 loss tokens per row, 36 per pair: (chunk, batch) -> one chunk / one pair per chunk / 9+ chunks splitting pairs
-STEPS = {"one-pass, 1 chunk": (1000, 4), "one-pass, 4 chunks": (36, 8), "two-pass, 9 chunks": (8, 4)}
+# 18 loss tokens per row, 36 per pair: (chunk, batch, one_pass[, short_first]) -> (V, H)-sized allocations expected
+STEPS = {
+    "one-pass, 1 chunk": ((1000, 4, True), 1),
+    "one-pass, 4 chunks": ((36, 8, True), 1),
+    "one-pass, 1 long pair in 5 chunks": ((8, 2, True), 2),
+    "one-pass, a short pair, then a long one": ((20, 4, True, True), 2),
+    "one-pass, 2 long pairs in 10 chunks": ((8, 4, True), 3),
+    "one-pass, 4 long pairs in 20 chunks": ((8, 8, True), 3),
+    "two-pass, 9 chunks": ((8, 4, False), 1),
+}
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_half_weight_gradient_has_no_per_chunk_vocab_by_hidden_temporary(dtype):
-    """Exactly one (V, H)-sized allocation in a forward + backward, whatever the path and the number of chunks:
-    the returned gradient itself (handed to ``.grad`` without a copy).
+    """(V, H)-sized allocations in a forward + backward do not grow with the number of chunks: the returned
+    gradient itself (handed to ``.grad`` without a copy), plus, for pairs longer than a chunk (one pass), one sum
+    per row of a long pair in flight -- the first long pair's chosen row sums into the result itself (2 in all;
+    long pairs go first, so a short pair in front changes nothing), later long pairs reuse the spare sums (3 in
+    all, however many long pairs).
 
     Before the vocabulary blocks (bf16, two-pass): 1 chunk -> 4, 9 chunks -> 20 (per chunk a (V, H) product and its
     fp32 copy, plus the fp32 accumulator and the final cast): ~10 V H bytes at peak against Liger's ~4 V H.  Zero
-    would mean the mode saw nothing (or no weight gradient was made), two a copy or an accumulator.
+    would mean the mode saw nothing (or no weight gradient was made), one more a copy or an extra accumulator.
     """
-    seen = {}
-    for name, (chunk, batch) in STEPS.items():
-        count, path = _vh_allocations_in_a_step(dtype, chunk, batch)
+    seen, want = {}, {}
+    for name, (args, expected) in STEPS.items():
+        count, path = _vh_allocations_in_a_step(dtype, *args)
         assert path == name.split(",")[0], (name, path)
-        seen[name] = count
+        seen[name], want[name] = count, expected
     print(f"{dtype}: (V, H)-sized allocations per step: {seen}")
-    assert all(n == 1 for n in seen.values()), f"(V, H)-sized allocations per step must be exactly 1: {seen}"
+    assert seen == want
 
 
 # ------------------------------------------------------------------------------------------------- autocast
@@ -113,20 +127,25 @@ def _rounded(x, dtype):
     return {k: (v.to(dtype).float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()}
 
 
-# 18 loss tokens per row: 16 splits rows (two-pass path), 64 holds one pair per chunk (one-pass path)
-PATH_CHUNKS = pytest.mark.parametrize("token_chunk_size", [16, 64], ids=["two-pass", "one-pass"])
+# 18 loss tokens per row: 16 splits rows (one pass with pairs longer than a chunk, or two passes), 64 holds one
+# pair per chunk (one pass)
+PATH_CHUNKS = pytest.mark.parametrize(
+    ("token_chunk_size", "one_pass"),
+    [(16, False), (16, True), (64, True)],
+    ids=["two-pass", "one-pass-long", "one-pass"],
+)
 
 
 @PATH_CHUNKS
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_autocast_is_the_same_as_casting_by_hand(dtype, token_chunk_size):
+def test_autocast_is_the_same_as_casting_by_hand(dtype, token_chunk_size, one_pass):
     """Under autocast the loss must compute exactly what it computes on inputs cast to the autocast dtype.
 
     The old code stored the log-sum-exp of half-precision logits in forward and recomputed fp32 logits in backward
     (autocast is off there), so its softmax rows did not sum to one.
     """
     x = _rounded(_dpo_inputs(torch.float32, w_scale=1.5), dtype)  # logits ~ N(0, 10^2)
-    kw = dict(token_chunk_size=token_chunk_size, compute_nll_loss=True)
+    kw = dict(token_chunk_size=token_chunk_size, compute_nll_loss=True, one_pass=one_pass)
     auto = _loss_and_grads(ChunkedDPOLoss, x, autocast_dtype=dtype, **kw)
     hand = _loss_and_grads(
         ChunkedDPOLoss,
@@ -145,7 +164,7 @@ def _max_err(a, b):
 
 
 @PATH_CHUNKS
-def test_autocast_bf16_error_at_most_liger_s(token_chunk_size):
+def test_autocast_bf16_error_at_most_liger_s(token_chunk_size, one_pass):
     """torch.autocast("cpu", bf16), logit scale ~10: our error vs the fp32 truth <= 1.5x Liger's (same autocast)."""
     liger = load_reference("dpo", "liger")
     if liger is None:
@@ -153,7 +172,9 @@ def test_autocast_bf16_error_at_most_liger_s(token_chunk_size):
     x = _rounded(_dpo_inputs(torch.float32, w_scale=1.5), torch.bfloat16)
     kw = dict(compute_nll_loss=True)
     truth = _loss_and_grads(liger, x, compiled=False, **kw)
-    ours = _loss_and_grads(ChunkedDPOLoss, x, torch.bfloat16, token_chunk_size=token_chunk_size, **kw)
+    ours = _loss_and_grads(
+        ChunkedDPOLoss, x, torch.bfloat16, token_chunk_size=token_chunk_size, one_pass=one_pass, **kw
+    )
     ref = _loss_and_grads(liger, x, torch.bfloat16, compiled=False, **kw)
     bad = []
     for name, o, r, t in zip(NAMES, ours, ref, truth):
@@ -165,7 +186,7 @@ def test_autocast_bf16_error_at_most_liger_s(token_chunk_size):
 
 
 @PATH_CHUNKS
-def test_autocast_kto_forward_backward_consistent(token_chunk_size):
+def test_autocast_kto_forward_backward_consistent(token_chunk_size, one_pass):
     x = _rounded(_dpo_inputs(torch.float32, batch=4, w_scale=1.5), torch.bfloat16)
     labels = torch.tensor([True, False, True, False])
 
@@ -173,7 +194,8 @@ def test_autocast_kto_forward_backward_consistent(token_chunk_size):
         inp = leaf_copies(inp)
         ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
         with ctx:
-            loss, _ = call_kto(ChunkedKTOLoss(use_ref_model=True, token_chunk_size=token_chunk_size), inp, labels)
+            fn = ChunkedKTOLoss(use_ref_model=True, token_chunk_size=token_chunk_size, one_pass=one_pass)
+            loss, _ = call_kto(fn, inp, labels)
         loss.backward()
         return loss, inp["hidden"].grad, inp["weight"].grad
 
@@ -231,10 +253,12 @@ def _emulate_fp32_output_gemm(monkeypatch):
     return calls
 
 
-def _step(x, token_chunk_size, autocast):
+def _step(x, token_chunk_size, one_pass, autocast):
     x = leaf_copies(x)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        loss, metrics = _dpo(ChunkedDPOLoss, x, token_chunk_size=token_chunk_size, compute_nll_loss=True)
+        loss, metrics = _dpo(
+            ChunkedDPOLoss, x, token_chunk_size=token_chunk_size, compute_nll_loss=True, one_pass=one_pass
+        )
     path = "one-pass" if "OnePassLoss" in loss.grad_fn.name() else "two-pass"
     loss.backward()
     return path, [loss, metrics[0], metrics[1], x["hidden"].grad, x["weight"].grad, x["bias"].grad]
@@ -242,11 +266,16 @@ def _step(x, token_chunk_size, autocast):
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
 @pytest.mark.parametrize("block", [7, 64, 300], ids=lambda b: f"vblock{b}")
-@pytest.mark.parametrize(("token_chunk_size", "path"), [(8, "two-pass"), (36, "one-pass"), (None, "one-pass")])
-def test_fp32_output_gemm_branch_matches_the_plain_path(monkeypatch, token_chunk_size, path, block, autocast):
+@pytest.mark.parametrize(
+    ("token_chunk_size", "one_pass", "path"),
+    [(8, False, "two-pass"), (8, True, "one-pass"), (36, True, "one-pass"), (None, True, "one-pass")],
+    ids=["two-pass", "one-pass-long", "one-pass", "one-chunk"],
+)
+def test_fp32_output_gemm_branch_matches_the_plain_path(monkeypatch, token_chunk_size, one_pass, path, block, autocast):
     """The CUDA branch (fp32-output GEMMs, vocabulary blocks, fp32 weight-gradient tile) on CPU, against the plain
     bf16 path and the fp32 truth: 4 sequences of 18 loss tokens, V = 300 in blocks of 7 / 64 / 300 rows, token
-    chunks that split rows (two-pass), hold one pair (one-pass, 2 chunks) or everything (one-pass, 1 chunk).
+    chunks that split rows (two-pass, or one-pass with long pairs), hold one pair (one-pass, 2 chunks) or everything
+    (one-pass, 1 chunk).
 
     The branch keeps the logits and every product in fp32 where the plain path rounds them to bf16: seen here, the
     branch is within 4e-3 of each quantity's scale from the truth, the plain path within 1e-2.  Required: the branch
@@ -256,10 +285,10 @@ def test_fp32_output_gemm_branch_matches_the_plain_path(monkeypatch, token_chunk
     half = {k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()}
     inputs = x if autocast else half
     truth = _loss_and_grads(ChunkedDPOLoss, x, token_chunk_size=token_chunk_size, compute_nll_loss=True)
-    plain_path, plain = _step(inputs, token_chunk_size, autocast)
+    plain_path, plain = _step(inputs, token_chunk_size, one_pass, autocast)
     calls = _emulate_fp32_output_gemm(monkeypatch)
     monkeypatch.setattr(_core, "vocab_block_rows", lambda V, H, budget: block)
-    fast_path, fast = _step(inputs, token_chunk_size, autocast)
+    fast_path, fast = _step(inputs, token_chunk_size, one_pass, autocast)
     assert plain_path == fast_path == path
     # the branch ran: fp32 logits and grad-input, and an fp32 weight-gradient tile except where the one-pass path
     # adds into a bf16 result in place (addmm_)

@@ -8,12 +8,12 @@ Liger / TRL fused losses crashes with ``Cannot access storage of TensorWrapper``
 
 Two paths
 ---------
-* **One pass** (``_onepass``; taken by :meth:`ChunkedLinearLoss.one_pass` when a gradient is needed and every
-  pair / row fits one token chunk): the loss gradients are formed while each chunk's logits are in memory --
-  three GEMMs and one sweep per policy token; the backward only scales the stored gradients.
-* **Two passes** (this module's :class:`TokenLogProbs`; when a pair / row is longer than a token chunk, or the
-  one-pass path is switched off): the forward keeps one log-sum-exp per token and the backward recomputes the
-  logits -- four GEMMs per policy token, no ``(V, H)`` tensor held between forward and backward.
+* **One pass** (``_onepass``; taken by :meth:`ChunkedLinearLoss.one_pass` whenever a gradient is needed): the
+  loss gradients are formed while each chunk's logits are in memory -- three GEMMs and one sweep per policy
+  token; the backward only scales the stored gradients.
+* **Two passes** (this module's :class:`TokenLogProbs`; when the one-pass path is switched off, ``one_pass=False``):
+  the forward keeps one log-sum-exp per token and the backward recomputes the logits -- four GEMMs per policy
+  token, no ``(V, H)`` tensor held between forward and backward.
 * No gradient (eval, ``no_grad``, the reference model): one GEMM per token.
 
 Design
@@ -462,7 +462,9 @@ def row_logit_sums(hidden, weight, bias):
 class ChunkedLinearLoss(torch.nn.Module):
     """The shared base of the chunked losses: the options every one of them has, and per-sequence log-probs."""
 
-    def __init__(self, ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size):
+    def __init__(
+        self, ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size, one_pass=True
+    ):
         super().__init__()
         if token_chunk_size is not None:
             resolve_token_chunk_size(token_chunk_size, 1)  # validate early
@@ -473,8 +475,9 @@ class ChunkedLinearLoss(torch.nn.Module):
         self.average_log_prob = average_log_prob
         self.chunk_size = chunk_size  # accepted for drop-in compatibility; token_chunk_size bounds memory
         self.token_chunk_size = token_chunk_size
-        # the one-pass path (``_onepass``) where it applies; False forces the two-pass path (benchmarks: "before")
-        self.allow_one_pass = True
+        # the one-pass path (``_onepass``) when a gradient is needed; False: the two-pass path, which holds no
+        # gradient between forward and backward (and no (V, H) accumulator for a pair longer than a chunk)
+        self.allow_one_pass = bool(one_pass)
 
     def averaged(self, sums, counts):
         """Per-sequence log-probs from the per-row sums: ÷ token count with ``average_log_prob``."""
@@ -490,15 +493,13 @@ class ChunkedLinearLoss(torch.nn.Module):
 
         ``loss_of_sums(S, counts)`` is the loss as a function of the raw per-row sums of token log-probs; it must be
         a sum of terms each reading only the rows of one group (``group_of_row``, ``(B,)`` int64).  ``None`` (the
-        caller takes the two-pass path) when no gradient is needed or one group has more tokens than a chunk.
+        caller takes the two-pass path) when no gradient is needed or the one-pass path is switched off.
         """
         if not (self.allow_one_pass and _needs_grad(hidden, weight, bias)):
             return None
         hidden2d, positions, labels, rows, counts = select_tokens(hidden, target, self.ignore_index)
         cfg = _chunking(hidden, weight, self.token_chunk_size)
-        plan = _onepass.group_chunks(rows, group_of_row, cfg[0])
-        if plan is None:
-            return None
+        plan = _onepass.group_chunks(rows, group_of_row, counts, cfg[0])
         loss, sums = _onepass.OnePassLoss.apply(
             hidden2d, weight, bias, positions, labels, rows, *plan, target.shape[0],
             lambda s: loss_of_sums(s, counts), cfg,

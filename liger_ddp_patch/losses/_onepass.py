@@ -2,32 +2,35 @@
 
 A DPO pair's loss (a KTO row's) depends only on that pair's per-sequence log-probs and on batch constants known
 before the policy pass (reference log-probs, KTO's detached ``kl``, the number of pairs, the chosen-token count of
-the NLL term).  So when a token chunk holds *whole* groups (pairs, rows), the chunk's per-sequence sums are
-complete once its logits are, and with them ``dL/dS_row`` (``S`` = raw per-row sum of token log-probs):
+the NLL term).  So once a group's (pair's, row's) last token has been through the head, its per-row sums ``S``
+are complete, and with them ``a = dL/dS_row`` (plain autograd on the small ``(B,)`` tensor of sums; rows of
+later groups hold 0 and cannot reach this group's derivative because the loss is a sum over groups):
 
-    grad_logits[t] = dL/dS[row(t)] * (onehot(y_t) - softmax(logits_t))
+    grad_logits[t] = a[row(t)] * (onehot(y_t) - softmax(logits_t))
 
-is formed in place of the logits, multiplied into grad-input and the weight gradient, and the logits are dropped:
-three GEMMs and one elementwise sweep per policy token instead of four GEMMs and two sweeps (the two-pass core in
-``_core`` recomputes the logits in its backward).  ``dL/dS`` comes from plain autograd on the small ``(B,)``
-tensor of sums (the loss formula, evaluated on the sums known so far; rows of later groups hold 0 and cannot reach
-this group's derivative because the loss is a sum over groups).  The backward only scales the stored gradients.
+The row factor ``a`` is folded into the ``(chunk, H)`` side of both gradient GEMMs (``grad_h = a * (q @ W)``,
+``grad_W += q.T @ (a * h)`` with ``q = softmax - onehot``, sign included), so the ``(chunk, V)`` block is swept
+once: log-softmax, then ``exp`` written straight into the compute dtype, the target entry set to ``expm1(logp)``.
+Three GEMMs and one sweep per policy token, against four GEMMs and two sweeps in the two-pass core (``_core``,
+whose backward recomputes the logits).  The backward only scales the stored gradients.
+
+Groups that fit a token chunk are packed whole into chunks.  A group longer than the chunk (a long pair) is split
+over consecutive chunks; until its last chunk its rows' ``a`` is unknown, so those chunks add ``q.T @ h`` into one
+``(V, H)`` accumulator per row of the group, scaled by ``a`` and added to the weight gradient when the group ends
+(likewise the bias and the ``(tokens, H)`` grad-input rows).  Groups longer than the chunk go first, so the first
+one's first row accumulates into the weight gradient itself: a DPO batch costs one extra ``(V, H)`` tensor (two
+from its second long pair on), KTO one, and nothing with a frozen head (LoRA).
 
 Memory: the same token budget as the two-pass core; grad-input (the size of the hidden states) and the weight /
 bias gradients live from the forward to the backward, no logits do.  In half precision the weight gradient is the
 result itself, updated in place by one GEMM per token chunk (``addmm_``: fp32 accumulation inside the GEMM, one
-rounding to the half dtype per chunk; Liger rounds its bf16 accumulator once per *pair*); no ``(V, H)``-sized
-temporary is made.  Under autocast (fp32 weight, half GEMMs) the fp32 result is updated one vocabulary block at a
-time (``_core.vocab_block_rows``), so the half-precision product tile is block-sized.
+rounding to the half dtype per chunk; Liger rounds its bf16 accumulator once per *pair*).  Under autocast (fp32
+weight, half GEMMs) the fp32 result is updated one vocabulary block at a time (``_core.vocab_block_rows``).
 
-When it applies: a gradient is needed and every group fits one token chunk.  All ten DPO loss types and KTO are sums
-over groups (``dpo.ONE_PASS_DPO_LOSS_TYPES``).  A group longer than the chunk keeps the two-pass path: its rows'
-``dL/dS`` is not known before its last token, and deferring the weight gradient would need one ``(V, H)``
-accumulator per pending row (at the CPU budget, fp32 / bf16 at V = 32,000: pairs of more than 1,048 / 699 loss
-tokens; on an accelerator with an fp32-output GEMM at V = 151,936: more than 1,766).
-
-Not supported (clear errors): double backward.  ``retain_graph`` works: a second backward recomputes the gradients
-with the two-pass core from the saved inputs (exact, no extra memory kept).
+It applies whenever a gradient is needed (all ten DPO loss types and KTO are sums over groups:
+``dpo.ONE_PASS_DPO_LOSS_TYPES``); ``allow_one_pass = False`` forces the two-pass path.  Not supported (clear
+error): double backward.  ``retain_graph`` works: a second backward recomputes the gradients with the two-pass
+core from the saved inputs (exact, no extra memory kept).
 """
 
 from __future__ import annotations
@@ -39,27 +42,64 @@ from . import _core
 __all__ = ["group_chunks", "OnePassLoss"]
 
 
-def group_chunks(rows: torch.Tensor, group_of_row: torch.Tensor, chunk: int):
-    """Token order and chunk bounds such that every chunk holds whole groups and at most ``chunk`` tokens.
+def group_chunks(rows: torch.Tensor, group_of_row: torch.Tensor, counts: torch.Tensor, chunk: int):
+    """Token order and chunk plan: ``(order, plan)``.
 
-    Returns ``(order, bounds)``: ``order`` permutes the selected tokens so that each group's tokens are contiguous
-    (within a group: row by row, in position order), ``bounds`` lists ``(start, end)`` in that order; ``None`` when
-    one group alone has more than ``chunk`` tokens (the caller then keeps the two-pass path).
+    ``order`` permutes the selected tokens (``rows``: their batch rows, row-major) so that each group's tokens are
+    contiguous, row by row; groups longer than ``chunk`` first.  ``plan`` lists ``(start, end, pending, finish)``
+    in that order: ``pending`` is ``None`` for a chunk of complete groups, else the ``(a, b, row)`` segments of a
+    long group whose end comes later; ``finish`` lists the pending segments of the long group this chunk ends.
     """
-    grp = group_of_row.index_select(0, rows)
-    order = torch.argsort(grp, stable=True)
-    sizes = torch.bincount(grp, minlength=int(group_of_row.max()) + 1 if group_of_row.numel() else 0).tolist()
-    if sizes and max(sizes) > chunk:
-        return None
-    bounds, start, size = [], 0, 0
-    for s in sizes:
-        if size + s > chunk:
-            bounds.append((start, start + size))
-            start, size = start + size, 0
-        size += s
-    if size:
-        bounds.append((start, start + size))
-    return order, bounds
+    grp_of_row, cnt = group_of_row.tolist(), counts.tolist()
+    members: dict[int, list[tuple[int, int]]] = {}
+    for r, (g, c) in enumerate(zip(grp_of_row, cnt)):
+        if c:
+            members.setdefault(g, []).append((r, c))
+    size = {g: sum(c for _, c in m) for g, m in members.items()}
+    ranked = sorted(members, key=lambda g: (size[g] <= chunk, g))
+    rank = torch.full((max(grp_of_row, default=-1) + 1,), len(ranked), dtype=torch.long)
+    rank[ranked] = torch.arange(len(ranked))
+    order = torch.argsort(rank.to(rows.device)[group_of_row.index_select(0, rows)], stable=True)
+
+    plan, start, end = [], 0, 0  # the open chunk of complete groups is [start, end)
+    for g in ranked:
+        n = size[g]
+        if n > chunk:
+            if end > start:
+                plan.append((start, end, None, []))
+            tail = n - (n - 1) // chunk * chunk
+            segs = _segments(members[g], end, end + n - tail)
+            for s in range(end, end + n - tail, chunk):
+                plan.append(
+                    (
+                        s,
+                        s + chunk,
+                        [(max(a, s), min(b, s + chunk), r) for a, b, r in segs if a < s + chunk and b > s],
+                        [],
+                    )
+                )
+            start, end = end + n - tail, end + n
+            plan.append((start, end, None, segs))
+            start = end
+            continue
+        if end + n - start > chunk:
+            plan.append((start, end, None, []))
+            start = end
+        end += n
+    if end > start:
+        plan.append((start, end, None, []))
+    return order, plan
+
+
+def _segments(members, a, b):
+    """``(start, end, row)`` of each row's tokens within ``[a, b)`` of a group laid out row by row from ``a``."""
+    out, s = [], a
+    for r, c in members:
+        if s >= b:
+            break
+        out.append((s, min(b, s + c), r))
+        s += c
+    return out
 
 
 def _d_loss_d_sums(loss_of_sums, sums: torch.Tensor) -> torch.Tensor:
@@ -69,16 +109,52 @@ def _d_loss_d_sums(loss_of_sums, sums: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(sums) if grad is None else grad
 
 
-def _weight_grad_update(grad_w, glc, h, block, fast):
-    """``grad_w += glc.T @ h``.  Same dtypes (fp32, or a half-precision result): one in-place GEMM, which accumulates
-    in fp32 and rounds the result once per token chunk (no tile, no product).  An fp32 result with half GEMM inputs
-    (autocast): one vocabulary block at a time, so a product tile is block-sized."""
-    if glc.dtype == grad_w.dtype:
-        grad_w.addmm_(glc.t(), h)
-        return
-    for v0 in range(0, grad_w.shape[0], block):
-        v1 = min(grad_w.shape[0], v0 + block)
-        _core._add_product(grad_w[v0:v1], glc[:, v0:v1].t(), h, fast)
+class _Accumulator:
+    """A ``(V, H)`` gradient sum ``+= q.T @ h``: written by the first GEMM (no zero-fill pass) where the dtypes
+    allow.  Same dtypes (fp32, or a half-precision result): one in-place GEMM, fp32 accumulation inside it and one
+    rounding per chunk.  An fp32 sum with half GEMM inputs (autocast): one vocabulary block at a time."""
+
+    def __init__(self, tensor, block, fast):
+        self.t, self.block, self.fast, self.written = tensor, block, fast, False
+
+    def add(self, q, h):
+        if q.dtype == self.t.dtype:
+            if self.written:
+                self.t.addmm_(q.t(), h)
+            else:
+                torch.mm(q.t(), h, out=self.t)
+            self.written = True
+            return
+        if not self.written:
+            self.t.zero_()
+            self.written = True
+        for v0 in range(0, self.t.shape[0], self.block):
+            v1 = min(self.t.shape[0], v0 + self.block)
+            _core._add_product(self.t[v0:v1], q[:, v0:v1].t(), h, self.fast)
+
+    def result(self):
+        return self.t if self.written else self.t.zero_()
+
+
+def _q_block(logits, lab, bufs, cdtype, keep_fp32):
+    """In place: ``logits`` -> ``(softmax - onehot) / k`` per row, in the compute dtype (into the half buffer where
+    there is one).  Returns ``(q, logp, lse, k)``; ``k`` (None: 1) is the row factor left to fold in, and ``q32``
+    the fp32 block when ``keep_fp32`` (the bias gradient wants it)."""
+    if logits.device.type == "cpu":
+        logp, lse, k = _core.softmax_(logits, lab, probs=False)  # logits <- log-softmax
+        if bufs.half is not None and not keep_fp32:
+            out = torch.exp(logits, out=bufs._block(bufs.half, *logits.shape))  # one sweep: exp and the cast
+        else:
+            out = logits.exp_()
+    else:
+        logp, lse, k = _core.softmax_(logits, lab)  # logits <- exp(x - max); softmax = logits * k
+        out = logits
+    tgt = torch.expm1(logp)  # softmax - 1 at the target, without cancellation
+    if k is not None:
+        tgt = tgt / k
+    out.scatter_(1, lab, tgt.unsqueeze(1).to(out.dtype))
+    q32 = out if keep_fp32 else None
+    return bufs.lowp(out, cdtype), q32, logp, lse, k
 
 
 class OnePassLoss(torch.autograd.Function):
@@ -89,12 +165,12 @@ class OnePassLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden2d, weight, bias, positions, labels, rows, order, bounds, batch, loss_of_sums, cfg):
+    def forward(ctx, hidden2d, weight, bias, positions, labels, rows, order, plan, batch, loss_of_sums, cfg):
         chunk, cdtype, budget = cfg
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         with _core._no_autocast(hidden2d.device):
             out = _one_pass(
-                hidden2d, weight, bias, positions, labels, rows, order, bounds, batch, loss_of_sums, cdtype, budget,
+                hidden2d, weight, bias, positions, labels, rows, order, plan, batch, loss_of_sums, cdtype, budget,
                 (need_h, need_w, need_b),
             )  # fmt: skip
         loss, sums, grads, pos_p, lab_p, lse_p, g_tok = out
@@ -127,9 +203,7 @@ class OnePassLoss(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None, None, None)
 
 
-def _one_pass(
-    hidden2d, weight, bias, positions, labels, rows, order, bounds, batch, loss_of_sums, cdtype, budget, needs
-):
+def _one_pass(hidden2d, weight, bias, positions, labels, rows, order, plan, batch, loss_of_sums, cdtype, budget, needs):
     need_h, need_w, need_b = needs
     V, H = weight.shape
     device = hidden2d.device
@@ -141,43 +215,86 @@ def _one_pass(
     lse_p = torch.empty(n, dtype=mdtype, device=device)
     g_tok = torch.zeros(n, dtype=mdtype, device=device)
     grad_h = torch.zeros_like(hidden2d) if need_h else None
-    grad_w = torch.empty_like(weight) if need_w else None  # the result: the only (V, H) tensor made here
     grad_b = torch.zeros(V, dtype=mdtype, device=device) if need_b else None
     w = weight.to(cdtype)
-    block = _core.vocab_block_rows(V, H, budget) if need_w and grad_w.dtype != cdtype else V
-    bufs = _core.LogitsBuffers(max((e - s for s, e in bounds), default=0), V, cdtype, device, fast)
-    w_written = False  # grad_w is written by the first chunk's GEMM (no zero-fill pass) unless blocks add into it
-    for s, e in bounds:
-        pos, lab, r = pos_p[s:e], lab_p[s:e].unsqueeze(1), rows_p[s:e]
+    block = _core.vocab_block_rows(V, H, budget) if need_w and weight.dtype != cdtype else V
+    acc = _Accumulator(torch.empty_like(weight), block, fast) if need_w else None  # the result
+    spare: list[_Accumulator] = []  # per-row accumulators of long groups, reused from one long group to the next
+    pend_w, pend_b, pend_h = {}, {}, []  # row -> accumulator / bias sum; (token range, unscaled grad-input rows)
+    bufs = _core.LogitsBuffers(max((e - s for s, e, *_ in plan), default=0), V, cdtype, device, fast)
+    for s, e, pending, finish in plan:
+        pos, lab = pos_p[s:e], lab_p[s:e].unsqueeze(1)
         h = hidden2d.index_select(0, pos).to(cdtype)
         logits = bufs.logits(h, w, bias)
-        logp, lse_p[s:e], scale = _core.softmax_(logits, lab)  # logits <- softmax / scale, in place
-        sums.index_add_(0, r, logp.float())
-        g = _d_loss_d_sums(loss_of_sums, sums).to(mdtype).index_select(0, r)  # this chunk's rows are complete
-        g_tok[s:e] = g
-        # logits <- g * (onehot(y) - softmax), in place
-        logits.mul_((-g if scale is None else -g * scale.to(mdtype)).unsqueeze(1))
-        logits.scatter_add_(1, lab, g.unsqueeze(1).to(logits.dtype))
-        if need_b:
-            grad_b += logits.sum(dim=0)
-        glc = bufs.lowp(logits, cdtype)
+        q, q32, logp, lse_p[s:e], k = _q_block(logits, lab, bufs, cdtype, need_b)
         del logits
+        sums.index_add_(0, rows_p[s:e], logp.float())
+        if pending is None:
+            g = _d_loss_d_sums(loss_of_sums, sums).to(mdtype)
+            g_tok[s:e] = g.index_select(0, rows_p[s:e])
+            if finish:
+                _finish(finish, g, g_tok, pos_p, grad_h, grad_b, acc, spare, pend_w, pend_b, pend_h)
+            mult = -g_tok[s:e]  # grad_logits = mult * q (q = softmax - onehot)
+        else:
+            mult = torch.full((e - s,), -1.0, dtype=mdtype, device=device)
+        if k is not None:
+            mult = mult * k
+        if need_b:
+            if pending is None:
+                grad_b += q32.t() @ mult
+            else:
+                for a, b, r in pending:
+                    pend_b.setdefault(r, torch.zeros_like(grad_b)).add_(q32[a - s : b - s].t() @ mult[a - s : b - s])
         if need_h:
-            gh = torch.mm(glc, w, out_dtype=torch.float32) if fast else glc @ w
-            grad_h.index_copy_(0, pos, gh.to(grad_h.dtype))
+            gh = torch.mm(q, w, out_dtype=torch.float32) if fast else (q @ w).to(mdtype)
+            gh.mul_(mult.unsqueeze(1))
+            if pending is None:
+                grad_h.index_copy_(0, pos, gh.to(grad_h.dtype))
+            else:
+                pend_h.append((s, e, gh))  # scaled by the row factors when the group ends
             del gh
         if need_w:
-            if not w_written and glc.dtype == grad_w.dtype:
-                torch.mm(glc.t(), h, out=grad_w)
+            hm = h * mult.unsqueeze(1).to(h.dtype)
+            if pending is None:
+                acc.add(q, hm)
             else:
-                if not w_written:
-                    grad_w.zero_()
-                _weight_grad_update(grad_w, glc, h, block, fast)
-            w_written = True
-        del glc
-    if need_w and not w_written:
-        grad_w.zero_()
+                for a, b, r in pending:
+                    if r not in pend_w:
+                        pend_w[r] = _pending_acc(acc, pend_w, spare, weight, block, fast)
+                    pend_w[r].add(q[a - s : b - s], hm[a - s : b - s])
+            del hm
+        del q, q32
     with torch.no_grad():
         loss = loss_of_sums(sums)
-    grads = (grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype))
+    grads = (grad_h, None if acc is None else acc.result(), None if grad_b is None else grad_b.to(bias.dtype))
     return loss, sums, grads, pos_p, lab_p, lse_p, g_tok
+
+
+def _pending_acc(acc, pend_w, spare, weight, block, fast):
+    """The first long group's first row sums into the (still unwritten) result itself; other rows get a spare."""
+    if not acc.written and all(p is not acc for p in pend_w.values()):
+        return acc
+    return spare.pop() if spare else _Accumulator(torch.empty_like(weight), block, fast)
+
+
+def _finish(segments, g, g_tok, pos_p, grad_h, grad_b, acc, spare, pend_w, pend_b, pend_h):
+    """A long group ended: scale what its earlier chunks accumulated by its rows' factors ``g`` and add it."""
+    for a, b, r in segments:
+        g_tok[a:b] = g[r]
+    for r, p in pend_w.items():  # the result itself may hold a row's sum: scale it before adding the others
+        if p is acc:
+            acc.t.mul_(g[r].to(acc.t.dtype))
+    for r, p in pend_w.items():
+        if p is acc:
+            continue
+        p.t.mul_(g[r].to(p.t.dtype))
+        acc.t.add_(p.t) if acc.written else acc.t.copy_(p.t)
+        acc.written, p.written = True, False
+        spare.append(p)
+    pend_w.clear()
+    for r, pb in pend_b.items():
+        grad_b.add_(pb * g[r])
+    pend_b.clear()
+    for s, e, gh in pend_h:
+        grad_h.index_copy_(0, pos_p[s:e], (gh * g_tok[s:e].unsqueeze(1)).to(grad_h.dtype))
+    pend_h.clear()

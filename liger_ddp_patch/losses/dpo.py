@@ -147,8 +147,8 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
     """Token-chunked linear + DPO loss (plain autograd; see the module docstring for formulas/metrics).
 
     Paths (``_core`` module docstring): with a gradient, every loss type takes the one-pass path (gradients formed
-    in the forward, ``_onepass``; each type is a sum of per-pair terms) when every pair's loss tokens fit one token
-    chunk, else the two-pass path; without a gradient, one GEMM per token.
+    in the forward, ``_onepass``; each type is a sum of per-pair terms), a pair longer than a token chunk included;
+    without a gradient, one GEMM per token.
 
     Args (same names/defaults as ``LigerFusedLinearDPOLoss`` 0.8.5 and TRL 1.13 ``FusedLinearDPOLoss``):
         ignore_index: label value that marks positions without loss (prompt, padding).
@@ -160,6 +160,9 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
         token_chunk_size: (our own keyword) number of non-ignored tokens projected per chunk; ``None`` = auto:
             one chunk's logits fill a memory budget of 128 MiB on CPU and 1 GiB on an accelerator
             (``_core.resolve_token_chunk_size``; 1048 tokens for fp32 on CPU at V=32000).
+        one_pass: (our own keyword) ``False`` forces the two-pass path: one more GEMM per policy token, but no
+            gradient held from the forward to the backward (the one-pass path holds grad-input and the weight
+            gradient, plus one ``(V, H)`` sum per row of a pair longer than a chunk while that pair is in flight).
     """
 
     def __init__(
@@ -176,9 +179,12 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
         label_smoothing: float = 0.0,
         discopop_tau: float = 0.05,
         token_chunk_size: int | None = None,
+        one_pass: bool = True,
     ):
         _check_options(loss_type, label_smoothing)
-        super().__init__(ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size)
+        super().__init__(
+            ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size, one_pass
+        )
         self.alpha = alpha
         self.compute_nll_loss = compute_nll_loss
         self.loss_type = loss_type

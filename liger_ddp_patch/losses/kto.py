@@ -53,7 +53,7 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
     """Token-chunked linear + KTO loss (plain autograd; see the module docstring for formulas/metrics).
 
     Paths: as ``ChunkedDPOLoss``, with a row (its loss reads only its own log-prob; ``kl`` is detached) in place of
-    a pair: one pass when every row's loss tokens fit one token chunk.
+    a pair.
 
     Args (same names/defaults as ``LigerFusedLinearKTOLoss`` 0.8.5 and TRL 1.13 ``FusedLinearKTOLoss``):
         ignore_index, beta, use_ref_model, average_log_prob: as in Liger.
@@ -61,6 +61,7 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
         chunk_size: accepted and **ignored** (Liger's chunk counts rows; the result does not depend on it).
         token_chunk_size: (our own keyword) non-ignored tokens projected per chunk; ``None`` = auto (a memory
             budget per device type, see ``ChunkedDPOLoss``).
+        one_pass: (our own keyword) ``False`` forces the two-pass path (see ``ChunkedDPOLoss``).
     """
 
     def __init__(
@@ -72,8 +73,11 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
         average_log_prob: bool = False,
         chunk_size: int = 1,
         token_chunk_size: int | None = None,
+        one_pass: bool = True,
     ):
-        super().__init__(ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size)
+        super().__init__(
+            ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size, one_pass
+        )
 
     def extra_repr(self) -> str:
         return f"beta={self.beta}, use_ref_model={self.use_ref_model}, token_chunk_size={self.token_chunk_size}"
