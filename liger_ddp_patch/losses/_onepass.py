@@ -10,7 +10,7 @@ later groups hold 0 and cannot reach this group's derivative because the loss is
 
 The row factor ``a`` is folded into the ``(chunk, H)`` side of both gradient GEMMs (``grad_h = a * (q @ W)``,
 ``grad_W += q.T @ (a * h)`` with ``q = softmax - onehot``, sign included), so the ``(chunk, V)`` block is swept
-once: log-softmax, then ``exp`` written straight into the compute dtype, the target entry set to ``expm1(logp)``.
+once: log-softmax and ``exp`` in place, the target entry set to ``expm1(logp)``, the cast to the compute dtype.
 Three GEMMs and one sweep per policy token, against four GEMMs and two sweeps in the two-pass core (``_core``,
 whose backward recomputes the logits).  The backward only scales the stored gradients.
 
@@ -136,25 +136,15 @@ class _Accumulator:
         return self.t if self.written else self.t.zero_()
 
 
-def _q_block(logits, lab, bufs, cdtype, keep_fp32):
-    """In place: ``logits`` -> ``(softmax - onehot) / k`` per row, in the compute dtype (into the half buffer where
-    there is one).  Returns ``(q, logp, lse, k)``; ``k`` (None: 1) is the row factor left to fold in, and ``q32``
-    the fp32 block when ``keep_fp32`` (the bias gradient wants it)."""
-    if logits.device.type == "cpu":
-        logp, lse, k = _core.softmax_(logits, lab, probs=False)  # logits <- log-softmax
-        if bufs.half is not None and not keep_fp32:
-            out = torch.exp(logits, out=bufs._block(bufs.half, *logits.shape))  # one sweep: exp and the cast
-        else:
-            out = logits.exp_()
-    else:
-        logp, lse, k = _core.softmax_(logits, lab)  # logits <- exp(x - max); softmax = logits * k
-        out = logits
+def _q_block(logits, lab, bufs, cdtype):
+    """In place: ``logits`` -> ``(softmax - onehot) / k`` per row.  Returns it in the compute dtype (the half
+    buffer's copy where there is one; the fp32 block itself, which the bias gradient reads), the fp32 block, the
+    target log-probs, the log-sum-exps and ``k`` (None: 1), the row factor left to fold in.  The target entry is
+    set in fp32 and cast once (the half-precision ``scatter_`` and ``exp(out=half)`` are slow paths on CPU)."""
+    logp, lse, k = _core.softmax_(logits, lab)  # CPU: logits <- softmax; else exp(x - max), softmax = logits * k
     tgt = torch.expm1(logp)  # softmax - 1 at the target, without cancellation
-    if k is not None:
-        tgt = tgt / k
-    out.scatter_(1, lab, tgt.unsqueeze(1).to(out.dtype))
-    q32 = out if keep_fp32 else None
-    return bufs.lowp(out, cdtype), q32, logp, lse, k
+    logits.scatter_(1, lab, (tgt if k is None else tgt / k).unsqueeze(1).to(logits.dtype))
+    return bufs.lowp(logits, cdtype), logits, logp, lse, k
 
 
 class OnePassLoss(torch.autograd.Function):
@@ -226,7 +216,7 @@ def _one_pass(hidden2d, weight, bias, positions, labels, rows, order, plan, batc
         pos, lab = pos_p[s:e], lab_p[s:e].unsqueeze(1)
         h = hidden2d.index_select(0, pos).to(cdtype)
         logits = bufs.logits(h, w, bias)
-        q, q32, logp, lse_p[s:e], k = _q_block(logits, lab, bufs, cdtype, need_b)
+        q, q32, logp, lse_p[s:e], k = _q_block(logits, lab, bufs, cdtype)
         del logits
         sums.index_add_(0, rows_p[s:e], logp.float())
         if pending is None:
