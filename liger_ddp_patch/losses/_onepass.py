@@ -277,8 +277,10 @@ def _finish(segments, g, g_tok, pos_p, grad_h, grad_b, acc, spare, pend_w, pend_
     for r, p in pend_w.items():
         if p is acc:
             continue
-        p.t.mul_(g[r].to(p.t.dtype))
-        acc.t.add_(p.t) if acc.written else acc.t.copy_(p.t)
+        if acc.written:
+            acc.t.add_(p.t, alpha=g[r].item())  # one pass over (V, H); one host sync per long pair
+        else:
+            torch.mul(p.t, g[r].to(p.t.dtype), out=acc.t)
         acc.written, p.written = True, False
         spare.append(p)
     pend_w.clear()
