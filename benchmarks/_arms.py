@@ -7,8 +7,8 @@ rows labelled desirable / undesirable alternately, a scalar ``kl`` of 0.1.  ``ma
 ``step() -> loss``.
 
   ours      liger_ddp_patch.losses.ChunkedDPOLoss / ChunkedKTOLoss (default token chunk unless told): the one-pass
-            path wherever a pair (row) fits a token chunk
-  ours_2p   the same with the one-pass path switched off (``allow_one_pass = False``): the two-pass path, "before"
+            path (pairs / rows longer than a token chunk included)
+  ours_2p   the same with the one-pass path switched off (``one_pass=False``): the two-pass path, "before"
   liger     liger_kernel.chunked_loss.LigerFusedLinearDPOLoss / LigerFusedLinearKTOLoss(compiled=False)
   liger_c   the same with compiled=True (torch.compile: inductor on CPU, Triton on a GPU)
   trl114    (DPO only) TRL 1.14.0's own chunked log-prob path, the one upstream replaced the fused loss with:
@@ -83,8 +83,7 @@ def make_step(arm, x, token_chunk_size=None, kind="dpo"):
     if arm in ("ours", "ours_2p"):
         from liger_ddp_patch.losses import ChunkedDPOLoss
 
-        fn = ChunkedDPOLoss(token_chunk_size=token_chunk_size)
-        fn.allow_one_pass = arm == "ours"
+        fn = ChunkedDPOLoss(token_chunk_size=token_chunk_size, one_pass=arm == "ours")
         return _with_backward(lambda: fn(w, h, t, None, rh, rw, None)[0])
     if arm in ("liger", "liger_c"):
         from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
@@ -128,8 +127,7 @@ def _kto_step(arm, x, token_chunk_size):
     if arm in ("ours", "ours_2p"):
         from liger_ddp_patch.losses import ChunkedKTOLoss
 
-        fn = ChunkedKTOLoss(beta=BETA, use_ref_model=True, token_chunk_size=token_chunk_size)
-        fn.allow_one_pass = arm == "ours"
+        fn = ChunkedKTOLoss(beta=BETA, use_ref_model=True, token_chunk_size=token_chunk_size, one_pass=arm == "ours")
     else:
         from liger_kernel.chunked_loss import LigerFusedLinearKTOLoss
 

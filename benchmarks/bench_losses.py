@@ -9,8 +9,8 @@ interleaved.
 
 Setup: H=896, V=32000 (Qwen2-0.5B-like head, no bias), reference model on, sigmoid DPO loss / KTO loss; ``B``
 counts sequences (DPO: chosen and rejected stacked, as TRL hands them to the loss; KTO: unpaired rows).  The first
-``prompt`` fraction of every row is ignore_index.  The arms are described in ``_arms.py``: ours (the one-pass path
-where a pair / row fits a token chunk), ours_2p (the same with the one-pass path off: the two-pass path, "before"),
+``prompt`` fraction of every row is ignore_index.  The arms are described in ``_arms.py``: ours (the one-pass
+path), ours_2p (the same with the one-pass path off: the two-pass path, "before"),
 Liger fused (compiled=False and compiled=True:
 inductor works on this CPU), TRL 1.14's chunked log-prob path (``_ChunkedLogProbFunction``, trl/trainer/utils.py
 of an unpacked 1.14.0 wheel in ``$LIGER_DDP_PATCH_TRL_DIRS/1.14.0``, default .cache/trl/1.14.0), materialised
@@ -212,7 +212,7 @@ def table(configs, rounds):
 
 def readme_table(configs, rounds):
     """The README's compact table: per row ours' memory against Liger's and the time ratios (medians of per-round
-    ratios), ``ours/ours_2p`` being the one-pass gain ("after / before") where the one-pass path applies."""
+    ratios), ``ours/ours_2p`` being the one-pass gain ("after / before")."""
     cols = [("ours_2p", "ours/before"), ("liger", "ours/Liger"), ("liger_c", "ours/Liger compiled")]
     cols += [("trl114", "ours/TRL 1.14"), ("mat", "ours/mat"), ("gemm", "ours/GEMM floor")]
     hdr = ["loss", "dtype", "prompt", "B x L", "path", "ours MB", "Liger MB", "ours/Liger mem", "ours/before mem"]

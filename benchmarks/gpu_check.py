@@ -5,8 +5,9 @@
     python3 benchmarks/gpu_check.py --out $OUT       # there: one H200, no network (carry .whl)
     python3 benchmarks/gpu_check.py --cpu-smoke      # anywhere: the same code paths at tiny sizes on CPU (a test)
 
-(a) DPO head loss, bf16, V=151,936, H=3,584, B=16, L=512 (8 pairs: each pair fits one token chunk, so ``ours``
-    takes the one-pass path), 50 % and 0 % prompt: ours vs ours with the one-pass path off (``ours_2p``) vs Liger
+(a) DPO head loss, bf16, V=151,936, H=3,584, B=16, L=512 (8 pairs: each pair fits one token chunk), 50 % and 0 %
+    prompt: ours (one pass), ours with a token chunk of L / 2 (``ours_long``: every pair longer than a chunk, still
+    one pass) vs ours with the one-pass path off (``ours_2p``) vs Liger
     fused (compiled=True) vs TRL 1.14's chunked log-prob path vs materialised logits; per arm the median step time
     (CUDA events), ``torch.cuda.max_memory_allocated`` over the step minus what was allocated before it, the
     relative error of loss, grad-hidden and grad-weight against an fp32 materialised reference on the same values,
@@ -55,7 +56,7 @@ WHEELS = [
     ("multiprocess", "0.70.19", "multiprocess"),
 ]
 DDP_TRL = ("1.12.0", "1.8.0")
-ARMS_A = ("ours", "ours_2p", "liger_c", "trl114", "mat")
+ARMS_A = ("ours", "ours_long", "ours_2p", "liger_c", "trl114", "mat")
 PROMPTS_A = (0.5, 0.0)
 GPU_SIZE = dict(V=151_936, H=3_584, B=16, L=512)
 SMOKE_SIZE = dict(V=512, H=64, B=2, L=64)
@@ -167,7 +168,8 @@ def part_a(device: str, size: dict, reps: int, out_json: Path) -> list[dict]:
         for arm in ARMS_A:
             row = dict(arm=arm, prompt=frac, tokens=int((x["t"] != -100).sum()), **info)
             try:
-                step = _arms.make_step(arm, x)
+                # ours_long: a token chunk of L / 2, so that every pair is longer than a chunk (pairs in flight)
+                step = _arms.make_step("ours", x, L // 2) if arm == "ours_long" else _arms.make_step(arm, x)
                 x["h"].grad = x["w"].grad = None
                 loss = step()  # warm-up (compiles liger_c); its result is the one checked
                 row["err"] = _arms.rel_errors(loss, x["h"].grad, x["w"].grad, ref)
@@ -293,7 +295,7 @@ def check_rows(rows_a: list[dict], rows_b: list[dict], reps: int, parts=("a", "b
             if not all(e == e and e < ERR_A for e in r["err"].values()):  # e == e: not NaN
                 bad.append(f"{tag}: error against the fp32 truth {r['err']} (bound {ERR_A})")
             one_pass = "OnePassLoss" in str(r.get("grad_fn"))
-            if r["arm"] in ("ours", "ours_2p") and one_pass != (r["arm"] == "ours"):
+            if r["arm"].startswith("ours") and one_pass != (r["arm"] != "ours_2p"):
                 bad.append(f"{tag}: took {r.get('grad_fn')}")
     if "b" in parts:
         rows = {(r.get("trl"), r.get("trainer"), r.get("run")): r for r in rows_b}

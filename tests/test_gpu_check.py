@@ -20,9 +20,10 @@ import gpu_check  # noqa: E402
 
 @pytest.mark.ddp
 def test_cpu_smoke_runs_both_parts(tmp_path):
-    """(a) every arm runs, ours takes the one-pass path, all within 1e-2 of the fp32 truth; (b) the 2-node DDP probe
-    shows the bug and the fix with all 25 parameters counted.  The row checks are gpu_check.check_rows, the ones
-    the script's exit status comes from; a stale result in --out is deleted first."""
+    """(a) every arm runs, ours takes the one-pass path (ours_long too, with pairs longer than a chunk), all
+    within 1e-2 of the fp32 truth; (b) the 2-node DDP probe shows the bug and the fix with all 25 parameters counted.
+    The row checks are gpu_check.check_rows, the ones the script's exit status comes from; a stale result in --out
+    is deleted first."""
     (tmp_path / "gpu_check.json").write_text(json.dumps(dict(info={}, a=[], b=[])))
     (tmp_path / "ddp-1.12.0-patched").mkdir()
     (tmp_path / "ddp-1.12.0-patched" / "stale-from-an-earlier-run").write_text("{}")
@@ -48,7 +49,7 @@ def check_rows_strict(report):
 def _passing_report():
     rows_a = [
         dict(arm=a, prompt=p, ms=1.0, times_ms=[1.0, 1.0], err=dict(loss=1e-3, grad_h=1e-3, grad_w=1e-3),
-             grad_fn="OnePassLossBackward" if a == "ours" else "DivBackward0")
+             grad_fn="OnePassLossBackward" if a in ("ours", "ours_long") else "DivBackward0")
         for a in gpu_check.ARMS_A for p in gpu_check.PROMPTS_A
     ]  # fmt: skip
     rows_b = []
@@ -70,6 +71,7 @@ def _passing_report():
         "patched differs",
         "arm error 2e-2",
         "ours took two passes",
+        "ours_long took two passes",
         "arm missing",
         "no desync unpatched",
     ],
@@ -86,8 +88,8 @@ def test_check_rows_fails_each_broken_row(breakage):
         patched["differing"] = 1
     elif breakage == "arm error 2e-2":
         a[0]["err"]["grad_w"] = 2e-2
-    elif breakage == "ours took two passes":
-        next(r for r in a if r["arm"] == "ours")["grad_fn"] = "AddBackward0"
+    elif breakage.endswith("took two passes"):
+        next(r for r in a if r["arm"] == breakage.split()[0])["grad_fn"] = "AddBackward0"
     elif breakage == "arm missing":
         a.pop()
     else:

@@ -100,6 +100,23 @@ def test_chunk_plan_puts_long_pairs_first_and_ends_each_in_a_chunk_of_its_own():
     assert whole == [(0, 11, None, []), (11, 14, None, [])]
 
 
+def test_chunk_plan_ends_a_long_pair_with_its_last_rows_whole_when_they_fit():
+    """Pairs of 5 + 3 and 2 + 1 tokens, chunk 4: the rejected row (3) fits a chunk, so it is the long pair's last
+    chunk and needs no sum; only the chosen row is pending (a chunk of 4, then of 1).  The short pair (3) does not
+    fit beside it.  With chunk 6 the short pair (3) joins a last chunk of 3 (6 in all)."""
+    counts = torch.tensor([5, 2, 3, 1])
+    rows = torch.repeat_interleave(torch.arange(4), counts)
+    _, plan = group_chunks(rows, torch.tensor([0, 1, 0, 1]), counts, 4)
+    assert plan == [
+        (0, 4, [(0, 4, 0)], []),
+        (4, 5, [(4, 5, 0)], []),
+        (5, 8, None, [(0, 5, 0)]),
+        (8, 11, None, []),
+    ]
+    _, plan = group_chunks(rows, torch.tensor([0, 1, 0, 1]), counts, 6)
+    assert plan == [(0, 5, [(0, 5, 0)], []), (5, 11, None, [(0, 5, 0)])]
+
+
 # --------------------------------------------------------------------------------------- autograd contracts
 
 

@@ -77,7 +77,8 @@ STEPS = {
     "one-pass, 1 chunk": ((1000, 4, True), 1),
     "one-pass, 4 chunks": ((36, 8, True), 1),
     "one-pass, 1 long pair in 5 chunks": ((8, 2, True), 2),
-    "one-pass, a short pair, then a long one": ((20, 4, True, True), 2),
+    "one-pass, a short pair, then a long one": ((20, 4, True, True), 1),
+    "one-pass, 2 long pairs, rows fit a chunk": ((24, 4, True), 2),
     "one-pass, 2 long pairs in 10 chunks": ((8, 4, True), 3),
     "one-pass, 4 long pairs in 20 chunks": ((8, 8, True), 3),
     "two-pass, 9 chunks": ((8, 4, False), 1),
@@ -88,9 +89,9 @@ STEPS = {
 def test_half_weight_gradient_has_no_per_chunk_vocab_by_hidden_temporary(dtype):
     """(V, H)-sized allocations in a forward + backward do not grow with the number of chunks: the returned
     gradient itself (handed to ``.grad`` without a copy), plus, for pairs longer than a chunk (one pass), one sum
-    per row of a long pair in flight -- the first long pair's chosen row sums into the result itself (2 in all;
-    long pairs go first, so a short pair in front changes nothing), later long pairs reuse the spare sums (3 in
-    all, however many long pairs).
+    per row of a long pair that does not fit whole in the pair's last chunk -- the first long pair's first sum is
+    the result itself (long pairs go first, so a short pair in front changes nothing), later long pairs reuse the
+    spare sums: rows that fit a chunk 1, then 2 in all; longer rows 2, then 3, however many long pairs.
 
     Before the vocabulary blocks (bf16, two-pass): 1 chunk -> 4, 9 chunks -> 20 (per chunk a (V, H) product and its
     fp32 copy, plus the fp32 accumulator and the final cast): ~10 V H bytes at peak against Liger's ~4 V H.  Zero
@@ -225,10 +226,11 @@ def test_default_chunk_is_a_memory_budget_per_device():
 
 
 def _emulate_fp32_output_gemm(monkeypatch):
-    """Force the fp32-output GEMM branch on CPU: ``_core._fp32_out`` says yes for half dtypes and
-    ``torch.mm/addmm(..., out_dtype=torch.float32)`` run as CUDA's ``aten::mm.dtype``/``addmm.dtype`` do: half
-    inputs, fp32 products and accumulation (exact here: a bf16 x bf16 product is exact in fp32).  Other calls pass
-    through.  Returns the count of emulated calls per function."""
+    """Force the accelerator branch on CPU: ``_core._fp32_out`` says yes for half dtypes,
+    ``torch.mm/addmm(..., out_dtype=torch.float32)`` run as CUDA's ``aten::mm.dtype``/``addmm.dtype`` do (half
+    inputs, fp32 products and accumulation: exact here, a bf16 x bf16 product is exact in fp32; other calls pass
+    through), and the softmax takes its non-fused steps (max, exp, sum, a row scale folded in by the caller).
+    Returns the count of emulated calls per function."""
     calls = {"mm": 0, "addmm": 0}
     real_mm, real_addmm = torch.mm, torch.addmm
 
@@ -250,6 +252,7 @@ def _emulate_fp32_output_gemm(monkeypatch):
     monkeypatch.setattr(torch, "mm", mm)
     monkeypatch.setattr(torch, "addmm", addmm)
     monkeypatch.setattr(_core, "_fp32_out", lambda device, dtype: dtype in HALF)
+    monkeypatch.setattr(_core, "fused_log_softmax", lambda device: False)
     return calls
 
 

@@ -231,6 +231,12 @@ class LogitsBuffers:
         return self._block(self.half, *grad_logits.shape).copy_(grad_logits)
 
 
+def fused_log_softmax(device: torch.device) -> bool:
+    """Whether :func:`softmax_` takes one fused in-place ``log_softmax`` (CPU) or the max / exp / sum steps with a
+    row scale left to the caller (elsewhere).  A function, so that the tests can run the second branch on CPU."""
+    return device.type == "cpu"
+
+
 def softmax_(logits: torch.Tensor, labels: torch.Tensor, probs: bool = True):
     """In place: ``logits`` becomes ``softmax(logits) * scale`` (``scale`` None: 1); returns the target log-probs,
     the log-sum-exps and ``scale`` (per row).  ``probs=False``: only the first two are wanted.
@@ -238,7 +244,7 @@ def softmax_(logits: torch.Tensor, labels: torch.Tensor, probs: bool = True):
     CPU: one fused in-place ``log_softmax`` (each row stays in cache for its max, sum and write) and ``exp_``.
     Elsewhere: max, ``sub_``, ``exp_``, sum, with ``1 / sum`` returned as the scale for the caller to fold in."""
     tgt = logits.gather(1, labels).squeeze(1)
-    if logits.device.type == "cpu":
+    if fused_log_softmax(logits.device):
         torch._log_softmax(logits, 1, False, out=logits)
         logp = logits.gather(1, labels).squeeze(1)
         if probs:
@@ -332,7 +338,7 @@ def _backward_chunks(hidden2d, weight, bias, positions, labels, lse, grad_logp, 
     gh = torch.zeros(n, H, dtype=mdtype, device=device) if need_h and block < V else None
     bufs = LogitsBuffers(min(n, chunk), min(block, V), cdtype, device, fast)
     # one block over the whole vocabulary on CPU: the softmax is recomputed by one fused in-place kernel
-    fused_softmax = block >= V and device.type == "cpu"
+    fused_softmax = block >= V and fused_log_softmax(device)
     for v0 in range(0, V, block):
         v1 = min(V, v0 + block)
         w = weight[v0:v1].to(cdtype)

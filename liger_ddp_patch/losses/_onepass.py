@@ -16,10 +16,12 @@ whose backward recomputes the logits).  The backward only scales the stored grad
 
 Groups that fit a token chunk are packed whole into chunks.  A group longer than the chunk (a long pair) is split
 over consecutive chunks; until its last chunk its rows' ``a`` is unknown, so those chunks add ``q.T @ h`` into one
-``(V, H)`` accumulator per row of the group, scaled by ``a`` and added to the weight gradient when the group ends
-(likewise the bias and the ``(tokens, H)`` grad-input rows).  Groups longer than the chunk go first, so the first
-one's first row accumulates into the weight gradient itself: a DPO batch costs one extra ``(V, H)`` tensor (two
-from its second long pair on), KTO one, and nothing with a frozen head (LoRA).
+``(V, H)`` sum per row, scaled by ``a`` and added to the weight gradient when the group ends (likewise the bias and
+the ``(tokens, H)`` grad-input rows).  Two choices keep those sums few: the last chunk of a long group takes its
+last rows whole when they fit (they need no sum: a pair whose rows each fit a chunk keeps one, for its chosen
+row), and long groups go first, so that the first one's first sum is the weight gradient itself.  Extra
+``(V, H)`` tensors, reused from one long group to the next: DPO with rows that fit a chunk 0 for the first long
+pair, 1 from the second; with longer rows 1, then 2; KTO 0, then 1; none with a frozen head (LoRA).
 
 Memory: the same token budget as the two-pass core; grad-input (the size of the hidden states) and the weight /
 bias gradients live from the forward to the backward, no logits do.  In half precision the weight gradient is the
@@ -48,7 +50,8 @@ def group_chunks(rows: torch.Tensor, group_of_row: torch.Tensor, counts: torch.T
     ``order`` permutes the selected tokens (``rows``: their batch rows, row-major) so that each group's tokens are
     contiguous, row by row; groups longer than ``chunk`` first.  ``plan`` lists ``(start, end, pending, finish)``
     in that order: ``pending`` is ``None`` for a chunk of complete groups, else the ``(a, b, row)`` segments of a
-    long group whose end comes later; ``finish`` lists the pending segments of the long group this chunk ends.
+    long group whose end comes later; ``finish`` lists the pending segments of the long group this chunk ends
+    (whose last tokens open it; complete groups may follow them in it).
     """
     grp_of_row, cnt = group_of_row.tolist(), counts.tolist()
     members: dict[int, list[tuple[int, int]]] = {}
@@ -61,34 +64,35 @@ def group_chunks(rows: torch.Tensor, group_of_row: torch.Tensor, counts: torch.T
     rank[ranked] = torch.arange(len(ranked))
     order = torch.argsort(rank.to(rows.device)[group_of_row.index_select(0, rows)], stable=True)
 
-    plan, start, end = [], 0, 0  # the open chunk of complete groups is [start, end)
+    plan, start, end, finish = [], 0, 0, []  # the open chunk of complete groups: [start, end), ending ``finish``
     for g in ranked:
         n = size[g]
-        if n > chunk:
+        if n > chunk or end + n - start > chunk:
             if end > start:
-                plan.append((start, end, None, []))
-            tail = n - (n - 1) // chunk * chunk
+                plan.append((start, end, None, finish))
+            start, finish = end, []
+        if n > chunk:
+            tail = _tail(members[g], n, chunk)
             segs = _segments(members[g], end, end + n - tail)
             for s in range(end, end + n - tail, chunk):
-                plan.append(
-                    (
-                        s,
-                        s + chunk,
-                        [(max(a, s), min(b, s + chunk), r) for a, b, r in segs if a < s + chunk and b > s],
-                        [],
-                    )
-                )
-            start, end = end + n - tail, end + n
-            plan.append((start, end, None, segs))
-            start = end
-            continue
-        if end + n - start > chunk:
-            plan.append((start, end, None, []))
-            start = end
+                e = min(s + chunk, end + n - tail)
+                plan.append((s, e, [(max(a, s), min(b, e), r) for a, b, r in segs if a < e and b > s], []))
+            start, finish = end + n - tail, segs
         end += n
     if end > start:
-        plan.append((start, end, None, []))
+        plan.append((start, end, None, finish))
     return order, plan
+
+
+def _tail(members, n, chunk):
+    """Tokens of a long group that go into its last chunk: its last rows when they fit whole (those rows then need
+    no accumulator: a DPO pair of two rows that each fit a chunk holds one, for the chosen row), else the rest."""
+    tail = 0
+    for _, c in reversed(members):
+        if tail + c > chunk:
+            break
+        tail += c
+    return tail or (n - 1) % chunk + 1
 
 
 def _segments(members, a, b):

@@ -162,7 +162,7 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
             (``_core.resolve_token_chunk_size``; 1048 tokens for fp32 on CPU at V=32000).
         one_pass: (our own keyword) ``False`` forces the two-pass path: one more GEMM per policy token, but no
             gradient held from the forward to the backward (the one-pass path holds grad-input and the weight
-            gradient, plus one ``(V, H)`` sum per row of a pair longer than a chunk while that pair is in flight).
+            gradient, plus up to two ``(V, H)`` sums for pairs longer than a chunk: ``_onepass``).
     """
 
     def __init__(
