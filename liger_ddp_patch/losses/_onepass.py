@@ -30,7 +30,7 @@ rounding to the half dtype per chunk; Liger rounds its bf16 accumulator once per
 weight, half GEMMs) the fp32 result is updated one vocabulary block at a time (``_core.vocab_block_rows``).
 
 It applies whenever a gradient is needed (all ten DPO loss types and KTO are sums over groups:
-``dpo.ONE_PASS_DPO_LOSS_TYPES``); ``allow_one_pass = False`` forces the two-pass path.  Not supported (clear
+``dpo.ONE_PASS_DPO_LOSS_TYPES``); ``one_pass=False`` forces the two-pass path.  Not supported (clear
 error): double backward.  ``retain_graph`` works: a second backward recomputes the gradients with the two-pass
 core from the saved inputs (exact, no extra memory kept).
 """
@@ -64,7 +64,12 @@ def group_chunks(rows: torch.Tensor, group_of_row: torch.Tensor, counts: torch.T
     rank[ranked] = torch.arange(len(ranked))
     order = torch.argsort(rank.to(rows.device)[group_of_row.index_select(0, rows)], stable=True)
 
-    plan, start, end, finish = [], 0, 0, []  # the open chunk of complete groups: [start, end), ending ``finish``
+    plan, start, end, finish = (
+        [],
+        0,
+        0,
+        [],
+    )  # the open chunk of complete groups: [start, end), ending ``finish``
     for g in ranked:
         n = size[g]
         if n > chunk or end + n - start > chunk:
@@ -76,7 +81,14 @@ def group_chunks(rows: torch.Tensor, group_of_row: torch.Tensor, counts: torch.T
             segs = _segments(members[g], end, end + n - tail)
             for s in range(end, end + n - tail, chunk):
                 e = min(s + chunk, end + n - tail)
-                plan.append((s, e, [(max(a, s), min(b, e), r) for a, b, r in segs if a < e and b > s], []))
+                plan.append(
+                    (
+                        s,
+                        e,
+                        [(max(a, s), min(b, e), r) for a, b, r in segs if a < e and b > s],
+                        [],
+                    )
+                )
             start, finish = end + n - tail, segs
         end += n
     if end > start:
@@ -159,7 +171,20 @@ class OnePassLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden2d, weight, bias, positions, labels, rows, order, plan, batch, loss_of_sums, cfg):
+    def forward(
+        ctx,
+        hidden2d,
+        weight,
+        bias,
+        positions,
+        labels,
+        rows,
+        order,
+        plan,
+        batch,
+        loss_of_sums,
+        cfg,
+    ):
         chunk, cdtype, budget = cfg
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         with _core._no_autocast(hidden2d.device):
@@ -171,7 +196,14 @@ class OnePassLoss(torch.autograd.Function):
         ctx.grads = grads
         ctx.cfg = cfg
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(hidden2d, weight, bias if bias is not None else weight.new_empty(0), pos_p, lab_p, lse_p)
+        ctx.save_for_backward(
+            hidden2d,
+            weight,
+            bias if bias is not None else weight.new_empty(0),
+            pos_p,
+            lab_p,
+            lse_p,
+        )
         ctx.g_tok = g_tok
         ctx.mark_non_differentiable(sums)
         return loss, sums
@@ -197,7 +229,21 @@ class OnePassLoss(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None, None, None)
 
 
-def _one_pass(hidden2d, weight, bias, positions, labels, rows, order, plan, batch, loss_of_sums, cdtype, budget, needs):
+def _one_pass(
+    hidden2d,
+    weight,
+    bias,
+    positions,
+    labels,
+    rows,
+    order,
+    plan,
+    batch,
+    loss_of_sums,
+    cdtype,
+    budget,
+    needs,
+):
     need_h, need_w, need_b = needs
     V, H = weight.shape
     device = hidden2d.device
@@ -207,14 +253,13 @@ def _one_pass(hidden2d, weight, bias, positions, labels, rows, order, plan, batc
     n = pos_p.numel()
     sums = torch.zeros(batch, dtype=torch.float32, device=device)  # fp32, as the two-pass log-probs
     lse_p = torch.empty(n, dtype=mdtype, device=device)
-    g_tok = torch.zeros(n, dtype=mdtype, device=device)
+    g_tok = torch.zeros(n, dtype=mdtype, device=device)  # dL/dS of each token's row (a second backward reads it)
     grad_h = torch.zeros_like(hidden2d) if need_h else None
     grad_b = torch.zeros(V, dtype=mdtype, device=device) if need_b else None
     w = weight.to(cdtype)
     block = _core.vocab_block_rows(V, H, budget) if need_w and weight.dtype != cdtype else V
-    acc = _Accumulator(torch.empty_like(weight), block, fast) if need_w else None  # the result
-    spare: list[_Accumulator] = []  # per-row accumulators of long groups, reused from one long group to the next
-    pend_w, pend_b, pend_h = {}, {}, []  # row -> accumulator / bias sum; (token range, unscaled grad-input rows)
+    grad_w = _Accumulator(torch.empty_like(weight), block, fast) if need_w else None  # the result
+    long = _LongGroups(grad_w)
     bufs = _core.LogitsBuffers(max((e - s for s, e, *_ in plan), default=0), V, cdtype, device, fast)
     for s, e, pending, finish in plan:
         pos, lab = pos_p[s:e], lab_p[s:e].unsqueeze(1)
@@ -223,74 +268,92 @@ def _one_pass(hidden2d, weight, bias, positions, labels, rows, order, plan, batc
         q, q32, logp, lse_p[s:e], k = _q_block(logits, lab, bufs, cdtype)
         del logits
         sums.index_add_(0, rows_p[s:e], logp.float())
-        if pending is None:
+        if pending is None:  # every row here is complete: its factor is known
             g = _d_loss_d_sums(loss_of_sums, sums).to(mdtype)
             g_tok[s:e] = g.index_select(0, rows_p[s:e])
             if finish:
-                _finish(finish, g, g_tok, pos_p, grad_h, grad_b, acc, spare, pend_w, pend_b, pend_h)
+                long.finish(finish, g, g_tok, pos_p, grad_h, grad_b)
             mult = -g_tok[s:e]  # grad_logits = mult * q (q = softmax - onehot)
-        else:
+        else:  # a long group's rows: unscaled until it ends
             mult = torch.full((e - s,), -1.0, dtype=mdtype, device=device)
         if k is not None:
             mult = mult * k
-        if need_b:
-            if pending is None:
-                grad_b += q32.t() @ mult
-            else:
-                for a, b, r in pending:
-                    pend_b.setdefault(r, torch.zeros_like(grad_b)).add_(q32[a - s : b - s].t() @ mult[a - s : b - s])
+        gh = hm = None
         if need_h:
             gh = torch.mm(q, w, out_dtype=torch.float32) if fast else (q @ w).to(mdtype)
             gh.mul_(mult.unsqueeze(1))
-            if pending is None:
-                grad_h.index_copy_(0, pos, gh.to(grad_h.dtype))
-            else:
-                pend_h.append((s, e, gh))  # scaled by the row factors when the group ends
-            del gh
         if need_w:
             hm = h * mult.unsqueeze(1).to(h.dtype)
-            if pending is None:
-                acc.add(q, hm)
-            else:
-                for a, b, r in pending:
-                    if r not in pend_w:
-                        pend_w[r] = _pending_acc(acc, pend_w, spare, weight, block, fast)
-                    pend_w[r].add(q[a - s : b - s], hm[a - s : b - s])
-            del hm
-        del q, q32
+        if pending is not None:
+            long.add(pending, s, e, q, q32 if need_b else None, hm, gh, mult)
+            continue
+        if need_h:
+            grad_h.index_copy_(0, pos, gh.to(grad_h.dtype))
+        if need_w:
+            grad_w.add(q, hm)
+        if need_b:
+            grad_b += q32.t() @ mult
+        del q, q32, gh, hm
     with torch.no_grad():
         loss = loss_of_sums(sums)
-    grads = (grad_h, None if acc is None else acc.result(), None if grad_b is None else grad_b.to(bias.dtype))
+    grads = (
+        grad_h,
+        None if grad_w is None else grad_w.result(),
+        None if grad_b is None else grad_b.to(bias.dtype),
+    )
     return loss, sums, grads, pos_p, lab_p, lse_p, g_tok
 
 
-def _pending_acc(acc, pend_w, spare, weight, block, fast):
-    """The first long group's first row sums into the (still unwritten) result itself; other rows get a spare."""
-    if not acc.written and all(p is not acc for p in pend_w.values()):
-        return acc
-    return spare.pop() if spare else _Accumulator(torch.empty_like(weight), block, fast)
+class _LongGroups:
+    """What the chunks of a long group add before its rows' factors are known: one weight-gradient sum and one bias
+    sum per row, and the grad-input rows; scaled and added to the results when the group ends.  The first long
+    group's first row sums into the (still unwritten) weight gradient itself; the other sums are reused."""
 
+    def __init__(self, grad_w):
+        self.grad_w, self.spare, self.w, self.b, self.h = grad_w, [], {}, {}, []
 
-def _finish(segments, g, g_tok, pos_p, grad_h, grad_b, acc, spare, pend_w, pend_b, pend_h):
-    """A long group ended: scale what its earlier chunks accumulated by its rows' factors ``g`` and add it."""
-    for a, b, r in segments:
-        g_tok[a:b] = g[r]
-    for r, p in pend_w.items():  # the result itself may hold a row's sum: scale it before adding the others
-        if p is acc:
-            acc.t.mul_(g[r].to(acc.t.dtype))
-    for r, p in pend_w.items():
-        if p is acc:
-            continue
-        if acc.written:
-            acc.t.add_(p.t, alpha=g[r].item())  # one pass over (V, H); one host sync per long pair
-        else:
-            torch.mul(p.t, g[r].to(p.t.dtype), out=acc.t)
-        acc.written, p.written = True, False
-        spare.append(p)
-    pend_w.clear()
-    for r, pb in pend_b.items():
-        grad_b.add_(pb * g[r])
-    pend_b.clear()
-    for s, e, gh in pend_h:
-        grad_h.index_copy_(0, pos_p[s:e], (gh * g_tok[s:e].unsqueeze(1)).to(grad_h.dtype))
-    pend_h.clear()
+    def add(self, segments, s, e, q, q32, hm, gh, mult):
+        for a, b, r in segments:
+            if hm is not None:
+                self._sum(r).add(q[a - s : b - s], hm[a - s : b - s])
+            if q32 is not None:
+                bias_sum = self.b.setdefault(r, q32.new_zeros(q32.shape[1]))
+                bias_sum.add_(q32[a - s : b - s].t() @ mult[a - s : b - s])
+        if gh is not None:
+            self.h.append((s, e, gh))
+
+    def _sum(self, row):
+        if row not in self.w:
+            if not self.grad_w.written and all(p is not self.grad_w for p in self.w.values()):
+                self.w[row] = self.grad_w
+            elif self.spare:
+                self.w[row] = self.spare.pop()
+            else:
+                self.w[row] = _Accumulator(torch.empty_like(self.grad_w.t), self.grad_w.block, self.grad_w.fast)
+        return self.w[row]
+
+    def finish(self, segments, g, g_tok, pos_p, grad_h, grad_b):
+        """The group ended: ``g`` holds its rows' factors."""
+        for a, b, r in segments:
+            g_tok[a:b] = g[r]
+        result = self.grad_w
+        for (
+            r,
+            p,
+        ) in self.w.items():  # the result itself may hold a row's sum: scale it before adding the others
+            if p is result:
+                result.t.mul_(g[r].to(result.t.dtype))
+        for r, p in self.w.items():
+            if p is result:
+                continue
+            if result.written:
+                result.t.add_(p.t, alpha=g[r].item())  # one pass over (V, H); one host sync per long group
+            else:
+                torch.mul(p.t, g[r].to(p.t.dtype), out=result.t)
+            result.written, p.written = True, False
+            self.spare.append(p)
+        for r, bias_sum in self.b.items():
+            grad_b.add_(bias_sum * g[r])
+        for s, e, gh in self.h:
+            grad_h.index_copy_(0, pos_p[s:e], (gh * g_tok[s:e].unsqueeze(1)).to(grad_h.dtype))
+        self.w, self.b, self.h = {}, {}, []
