@@ -64,12 +64,7 @@ def group_chunks(rows: torch.Tensor, group_of_row: torch.Tensor, counts: torch.T
     rank[ranked] = torch.arange(len(ranked))
     order = torch.argsort(rank.to(rows.device)[group_of_row.index_select(0, rows)], stable=True)
 
-    plan, start, end, finish = (
-        [],
-        0,
-        0,
-        [],
-    )  # the open chunk of complete groups: [start, end), ending ``finish``
+    plan, start, end, finish = [], 0, 0, []  # the open chunk of complete groups: [start, end), ending ``finish``
     for g in ranked:
         n = size[g]
         if n > chunk or end + n - start > chunk:
@@ -81,14 +76,7 @@ def group_chunks(rows: torch.Tensor, group_of_row: torch.Tensor, counts: torch.T
             segs = _segments(members[g], end, end + n - tail)
             for s in range(end, end + n - tail, chunk):
                 e = min(s + chunk, end + n - tail)
-                plan.append(
-                    (
-                        s,
-                        e,
-                        [(max(a, s), min(b, e), r) for a, b, r in segs if a < e and b > s],
-                        [],
-                    )
-                )
+                plan.append((s, e, [(max(a, s), min(b, e), r) for a, b, r in segs if a < e and b > s], []))
             start, finish = end + n - tail, segs
         end += n
     if end > start:
@@ -171,20 +159,7 @@ class OnePassLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        hidden2d,
-        weight,
-        bias,
-        positions,
-        labels,
-        rows,
-        order,
-        plan,
-        batch,
-        loss_of_sums,
-        cfg,
-    ):
+    def forward(ctx, hidden2d, weight, bias, positions, labels, rows, order, plan, batch, loss_of_sums, cfg):
         chunk, cdtype, budget = cfg
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         with _core._no_autocast(hidden2d.device):
@@ -196,14 +171,7 @@ class OnePassLoss(torch.autograd.Function):
         ctx.grads = grads
         ctx.cfg = cfg
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(
-            hidden2d,
-            weight,
-            bias if bias is not None else weight.new_empty(0),
-            pos_p,
-            lab_p,
-            lse_p,
-        )
+        ctx.save_for_backward(hidden2d, weight, bias if bias is not None else weight.new_empty(0), pos_p, lab_p, lse_p)
         ctx.g_tok = g_tok
         ctx.mark_non_differentiable(sums)
         return loss, sums
@@ -229,21 +197,7 @@ class OnePassLoss(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None, None, None)
 
 
-def _one_pass(
-    hidden2d,
-    weight,
-    bias,
-    positions,
-    labels,
-    rows,
-    order,
-    plan,
-    batch,
-    loss_of_sums,
-    cdtype,
-    budget,
-    needs,
-):
+def _one_pass(hidden2d, weight, bias, positions, labels, rows, order, plan, batch, loss_of_sums, cdtype, budget, needs):
     need_h, need_w, need_b = needs
     V, H = weight.shape
     device = hidden2d.device
@@ -296,11 +250,7 @@ def _one_pass(
         del q, q32, gh, hm
     with torch.no_grad():
         loss = loss_of_sums(sums)
-    grads = (
-        grad_h,
-        None if grad_w is None else grad_w.result(),
-        None if grad_b is None else grad_b.to(bias.dtype),
-    )
+    grads = (grad_h, None if grad_w is None else grad_w.result(), None if grad_b is None else grad_b.to(bias.dtype))
     return loss, sums, grads, pos_p, lab_p, lse_p, g_tok
 
 
@@ -337,10 +287,7 @@ class _LongGroups:
         for a, b, r in segments:
             g_tok[a:b] = g[r]
         result = self.grad_w
-        for (
-            r,
-            p,
-        ) in self.w.items():  # the result itself may hold a row's sum: scale it before adding the others
+        for r, p in self.w.items():  # the result itself may hold a row's sum: scale it before adding the others
             if p is result:
                 result.t.mul_(g[r].to(result.t.dtype))
         for r, p in self.w.items():
