@@ -43,6 +43,9 @@ CASES: dict[str, Case] = {
     "dpo-ref-model": Case(FULL),
     "dpo-grad-accum": Case(FULL),
     "dpo-apo-zero": Case(FULL),
+    "dpo-long-pairs": Case(FULL),  # a token chunk of 1: every pair is longer than a chunk (one pass, pending sums)
+    "kto-long-rows": Case(FULL),
+    "dpo-bf16-long-pairs": Case(FULL, bf16=True),
     "kto-lora": Case(
         LORA, off_differs="TRL #7063: 1.12's KTO Liger path with PEFT and no ref_model ignores the reference"
     ),
@@ -120,6 +123,32 @@ def test_gradients_match_liger_off(launches, config):
         assert distance(out, config, "off") > bound, f"no longer differs: {CASES[config].off_differs}"
     else:
         assert distance(out, config, "off") <= bound
+
+
+@pytest.mark.parametrize(
+    ("config", "loss"),
+    [
+        ("dpo-long-pairs", "ChunkedDPOLoss"),
+        ("kto-long-rows", "ChunkedKTOLoss"),
+        ("dpo-bf16-long-pairs", "ChunkedDPOLoss"),
+    ],
+)
+def test_pairs_longer_than_a_chunk_take_the_one_pass_path(launches, config, loss):
+    """These configs run our loss with a token chunk of 1 (every pair / row split over chunks): it must be
+    the one-pass path that ran (the three tests above then hold its gradients to both references); the other
+    configs run it too, with whole pairs per chunk."""
+    import torch
+
+    from liger_ddp_patch.losses._core import resolve_token_chunk_size
+
+    _, patched, _ = launches
+    saw = result(patched, config)["loss_saw"]
+    assert saw[f"{loss} grad_fn"] == "OnePassLossBackward"
+    assert saw[f"{loss} logits budget"] == 256  # what our loss read while it ran: a chunk of 1 token at V=64
+    assert resolve_token_chunk_size(None, 64, "cpu", torch.float32, 256) == 1
+    assert resolve_token_chunk_size(None, 64, "cpu", torch.bfloat16, 256) == 1
+    plain = f"{config.split('-')[0]}-gc"  # whole pairs per chunk
+    assert result(patched, plain)["loss_saw"][f"{loss} grad_fn"] == "OnePassLossBackward"
 
 
 def test_ddp_rejects_reentrant_peft_the_same_way_and_rank_0_says_why_first(launches):

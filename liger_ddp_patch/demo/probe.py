@@ -36,7 +36,9 @@ NO_TRITON = {k: False for k in ("rope", "rms_norm", "swiglu", "cross_entropy", "
 # Named setups for --configs, each a fresh model and trainer. Keys override the command line: trainer, lora (LoRA on
 # q/v), modules_to_save, peft_model (a PeftModel, adapters already moved off zero, handed to the trainer), checkpointing
 # ("reentrant"/"non-reentrant"), find_unused (ddp_find_unused_parameters), ref_model (an explicit reference model),
-# grad_accum, loss_type, bf16, model_dtype. A trainer's short name alone is its plain setup.
+# grad_accum, loss_type, bf16, model_dtype, logits_budget (bytes per token chunk of our loss on CPU: 256 at the tiny
+# vocabulary of 64 makes a chunk of 1 token, so every pair / row is longer than a chunk). A trainer's short name
+# alone is its plain setup.
 CONFIGS: dict[str, dict] = {
     "dpo-bf16-mixed": {"trainer": "dpo", "bf16": True},  # fp32 weights, bf16=True (TRL's default)
     "kto-bf16-mixed": {"trainer": "kto", "bf16": True},
@@ -51,6 +53,9 @@ CONFIGS: dict[str, dict] = {
     "dpo-ref-model": {"trainer": "dpo", "ref_model": True},
     "dpo-grad-accum": {"trainer": "dpo", "grad_accum": 2},
     "dpo-apo-zero": {"trainer": "dpo", "loss_type": ["apo_zero"]},
+    "dpo-long-pairs": {"trainer": "dpo", "logits_budget": 256},
+    "kto-long-rows": {"trainer": "kto", "logits_budget": 256},
+    "dpo-bf16-long-pairs": {"trainer": "dpo", "bf16": True, "model_dtype": "bfloat16", "logits_budget": 256},
     "kto-lora": {"trainer": "kto", "lora": True},
     "kto-bf16": {"trainer": "kto", "bf16": True, "model_dtype": "bfloat16"},
     "kto-gc": {"trainer": "kto", "checkpointing": "non-reentrant"},
@@ -65,7 +70,7 @@ ARMS = ("liger", "fused", "off")  # use_liger_kernel=True; the same with TRL's f
 def setup(name: str, arm: str, args) -> argparse.Namespace:
     """The command line with config ``name``'s keys and ``arm`` applied (unknown names: a trainer's plain setup)."""
     defaults = {"lora": False, "modules_to_save": None, "peft_model": False, "checkpointing": None,
-                "find_unused": None, "ref_model": False, "loss_type": None}  # fmt: skip
+                "find_unused": None, "ref_model": False, "loss_type": None, "logits_budget": None}  # fmt: skip
     merged = {**defaults, **vars(args), **CONFIGS.get(name, {"trainer": name}), "config": name, "arm": arm}
     if arm == "off":
         merged["no_liger"] = True
@@ -133,13 +138,18 @@ def prompt_rows(rank: int, n: int = 32) -> list[dict]:
 def _watch_losses(seen: dict) -> object:
     """Note the dtypes and autocast state each DPO/KTO loss module sees (to show which precision really ran)."""
 
-    def hook(module, args, kwargs, _output):  # the global *post* hook sees keywords too (KTO passes them all so)
+    def hook(module, args, kwargs, output):  # the global *post* hook sees keywords too (KTO passes them all so)
         name = type(module).__name__
         if name.endswith(("DPOLoss", "KTOLoss")):
             tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a) and a.is_floating_point()]
             seen.setdefault(
                 name, sorted({str(t.dtype) for t in tensors} | {f"autocast={torch.is_autocast_enabled('cpu')}"})
             )
+            loss = output[0] if isinstance(output, tuple) else output
+            seen.setdefault(f"{name} grad_fn", type(getattr(loss, "grad_fn", None)).__name__)
+            core = sys.modules.get("liger_ddp_patch.losses._core")  # (imported by the package, never from here)
+            if core is not None:
+                seen.setdefault(f"{name} logits budget", core.logits_budget_bytes("cpu"))
 
     return torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
 
@@ -293,10 +303,18 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
     result["callbacks"] = [type(c).__name__ for c in trainer.callback_handler.callbacks]  # e.g. the sync verifier
     seen: dict = {}
     handle = _watch_losses(seen)
+    budgets = {}
+    if args.logits_budget:  # imported only here: importing the package applies the patch
+        from liger_ddp_patch.losses import _core
+
+        budgets = _core.LOGITS_BUDGET_BYTES
+        saved, budgets["cpu"] = budgets["cpu"], args.logits_budget
     try:
         trainer.train()
     finally:
         handle.remove()
+        if budgets:
+            budgets["cpu"] = saved
     result["loss_saw"] = seen
     result["history"] = trainer.state.log_history
     result["evals"] = [h for h in trainer.state.log_history if "eval_loss" in h]
