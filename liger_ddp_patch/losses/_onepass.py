@@ -14,11 +14,12 @@ GEMMs per policy token, against four in the two-pass core (``_core``, whose back
 sweeps them again).  The backward only scales the stored gradients.
 
 Groups that fit a token chunk are packed whole into chunks.  A group longer than the chunk (a long pair) is split
-over consecutive chunks; until its last chunk its rows' ``a`` is unknown, so those chunks add ``q.T @ h`` into one
-``(V, H)`` sum per row, scaled by ``a`` and added to the weight gradient when the group ends (likewise the bias and
-the ``(tokens, H)`` grad-input rows).  Two choices keep those sums few: the last chunk of a long group takes its
-last rows whole when they fit (they need no sum: a pair whose rows each fit a chunk keeps one, for its chosen
-row), and long groups go first, so that the first one's first sum is the weight gradient itself.  Extra
+over consecutive chunks; until its last chunk its rows' ``a`` is unknown, so those chunks use ``a = 1`` and add
+``grad_logits.T @ h`` into one ``(V, H)`` sum per row, scaled by the true ``a`` and added to the weight gradient
+when the group ends (likewise the bias and the ``(tokens, H)`` grad-input rows).  Two choices keep those sums
+few: the last chunk of a long group takes its last rows whole when they fit (they need no sum: a pair whose rows
+each fit a chunk keeps one, for its chosen row), and long groups go first, so that the first one's first sum is
+the weight gradient itself.  Extra
 ``(V, H)`` tensors, reused from one long group to the next: DPO with rows that fit a chunk 0 for the first long
 pair, 1 from the second; with longer rows 1, then 2; KTO 0, then 1; none with a frozen head (LoRA).
 
