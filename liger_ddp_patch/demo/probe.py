@@ -303,18 +303,18 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
     result["callbacks"] = [type(c).__name__ for c in trainer.callback_handler.callbacks]  # e.g. the sync verifier
     seen: dict = {}
     handle = _watch_losses(seen)
-    budgets = {}
+    budgets = None
     if args.logits_budget:  # imported only here: importing the package applies the patch
         from liger_ddp_patch.losses import _core
 
-        budgets = _core.LOGITS_BUDGET_BYTES
-        saved, budgets["cpu"] = budgets["cpu"], args.logits_budget
+        budgets = dict(_core.LOGITS_BUDGET_BYTES)
+        _core.LOGITS_BUDGET_BYTES["cpu"] = args.logits_budget
     try:
         trainer.train()
     finally:
         handle.remove()
-        if budgets:
-            budgets["cpu"] = saved
+        if budgets is not None:
+            _core.LOGITS_BUDGET_BYTES.update(budgets)
     result["loss_saw"] = seen
     result["history"] = trainer.state.log_history
     result["evals"] = [h for h in trainer.state.log_history if "eval_loss" in h]
