@@ -19,9 +19,9 @@ over consecutive chunks; until its last chunk its rows' ``a`` is unknown, so tho
 when the group ends (likewise the bias and the ``(tokens, H)`` grad-input rows).  Two choices keep those sums
 few: the last chunk of a long group takes its last rows whole when they fit (they need no sum: a pair whose rows
 each fit a chunk keeps one, for its chosen row), and long groups go first, so that the first one's first sum is
-the weight gradient itself.  Extra
-``(V, H)`` tensors, reused from one long group to the next: DPO with rows that fit a chunk 0 for the first long
-pair, 1 from the second; with longer rows 1, then 2; KTO 0, then 1; none with a frozen head (LoRA).
+the weight gradient itself.  Extra ``(V, H)`` tensors, reused from one long group to the next: DPO with rows that
+fit a chunk 0 for the first long pair, 1 from the second; with longer rows 1, then 2; KTO 0, then 1; none with a
+frozen head (LoRA).
 
 Memory: the same token budget as the two-pass core; grad-input (the size of the hidden states) and the weight /
 bias gradients live from the forward to the backward, no logits do.  In half precision the weight gradient is the
@@ -273,7 +273,7 @@ class _LongGroups:
 
     def _sum(self, row):
         if row not in self.w:
-            if not self.grad_w.written and all(p is not self.grad_w for p in self.w.values()):
+            if not self.grad_w.written:  # long groups go first: only the first one's first row finds it so
                 self.w[row] = self.grad_w
             elif self.spare:
                 self.w[row] = self.spare.pop()
@@ -292,11 +292,8 @@ class _LongGroups:
         for r, p in self.w.items():
             if p is result:
                 continue
-            if result.written:
-                result.t.add_(p.t, alpha=g[r].item())  # one pass over (V, H); one host sync per long group
-            else:
-                torch.mul(p.t, g[r].to(p.t.dtype), out=result.t)
-            result.written, p.written = True, False
+            result.t.add_(p.t, alpha=g[r].item())  # one pass over (V, H); one host sync per long group
+            p.written = False
             self.spare.append(p)
         for r, bias_sum in self.b.items():
             grad_b.add_(bias_sum * g[r])
