@@ -182,7 +182,8 @@ def test_command_names_what_exists(doc, command):
             source = read(script)
             for word in words[2:]:
                 flag = word.split("=")[0]
-                assert not flag.startswith("--") or f"{flag}" in source, f"{doc}: `{command}`: {script} has no {flag}"
+                quoted = re.search(rf"[\"']{re.escape(flag)}[\"']", source)  # as argparse or a [[ ]] test spells it
+                assert not flag.startswith("--") or quoted, f"{doc}: `{command}`: {script} has no {flag}"
             if script.startswith("tests/"):  # the docs generators: cheap, so run them (never their redirection)
                 argv = words[: words.index(">")] if ">" in words else words
                 proc = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, capture_output=True, text=True)
