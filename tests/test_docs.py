@@ -10,6 +10,7 @@ package or the test harness. The README's test command is ``.ci/run``'s last lin
 from __future__ import annotations
 
 import ast
+import os
 import re
 import shlex
 import subprocess
@@ -362,3 +363,48 @@ def test_nll_metric_is_zero_where_liger_gives_nan():
         nll[name] = metrics[4]
     assert torch.isnan(nll["liger"]), nll  # the control: Liger's 0/0
     assert nll["ours"].item() == 0.0, nll
+
+
+# ------------------------------------------------------------------- the README's sample outputs are real
+
+
+def _sample_after(marker: str) -> list[str]:
+    """The lines of the first unlabelled fenced block after ``marker`` in the README."""
+    text = read("README.md")
+    return fenced(text[text.index(marker) :], "")[0].splitlines()
+
+
+def test_rank_0_line_is_what_the_ddp_test_sees():
+    from test_ddp import ANNOUNCED  # asserted there on a real 2-rank run, with torchrun's rank prefix
+
+    (line,) = _sample_after("Rank 0 then prints")
+    assert line == f"{ANNOUNCED} (TRL #7245)"
+
+
+def test_desync_error_sample_is_what_the_verifier_raises():
+    from liger_ddp_patch.verify import describe
+
+    names = ["model.embed_tokens.weight", *(f"p{i}" for i in range(24))]
+    real = "GradientDesyncError: " + describe(names, dict.fromkeys(range(25), [1]), 2, 0)
+    (sample,) = _sample_after("LIGER_DDP_PATCH_VERIFY=1 torchrun")
+    at = 0
+    for piece in sample.split("..."):
+        at = real.find(piece.strip(), at)
+        assert at >= 0, f"README's GradientDesyncError sample no longer matches the verifier at {piece!r}:\n{real}"
+
+
+def test_status_sample_is_what_status_prints():
+    """The sample is TRL 1.12.0's (the test extra's): run `liger-ddp-patch status` and compare it line for line."""
+    from importlib.metadata import version
+
+    if version("trl") != "1.12.0":
+        pytest.skip("the README's status sample is TRL 1.12.0's")
+    sample = _sample_after("## Reading `liger-ddp-patch status`")
+    assert sample[0] == "$ liger-ddp-patch status"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIGER_DDP_PATCH_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "liger_ddp_patch", "status"], capture_output=True, text=True, cwd=ROOT, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == sample[1:], "README's status sample is stale: paste `liger-ddp-patch status`"
