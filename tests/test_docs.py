@@ -46,8 +46,14 @@ def read(name: str) -> str:
     return (ROOT / name).read_text()
 
 
+def blocks(text: str) -> list[tuple[int, str, str]]:
+    """Every fenced block as (offset of its opening fence, language, body), fences paired in order."""
+    found = [(m.start(), m.group(1), m.group(2)) for m in re.finditer(r"^```(\w*)\n(.*?)^```\n", text, re.S | re.M)]
+    return found
+
+
 def fenced(text: str, lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", text, flags=re.S | re.M)
+    return [body for _, language, body in blocks(text) if language == lang]
 
 
 def bash_lines(text: str) -> list[str]:
@@ -371,7 +377,10 @@ def test_nll_metric_is_zero_where_liger_gives_nan():
 def _sample_after(marker: str) -> list[str]:
     """The lines of the first unlabelled fenced block after ``marker`` in the README."""
     text = read("README.md")
-    return fenced(text[text.index(marker) :], "")[0].splitlines()
+    at = text.index(marker)
+    body = next(body for start, lang, body in blocks(text) if start > at and lang == "")
+    assert body.strip(), marker
+    return body.splitlines()
 
 
 def test_rank_0_line_is_what_the_ddp_test_sees():
@@ -386,7 +395,7 @@ def test_desync_error_sample_is_what_the_verifier_raises():
 
     names = ["model.embed_tokens.weight", *(f"p{i}" for i in range(24))]
     real = "GradientDesyncError: " + describe(names, dict.fromkeys(range(25), [1]), 2, 0)
-    (sample,) = _sample_after("LIGER_DDP_PATCH_VERIFY=1 torchrun")
+    (sample,) = _sample_after("LIGER_DDP_PATCH_VERIFY=1 torchrun --nproc_per_node=8 train.py\n```")
     at = 0
     for piece in sample.split("..."):
         at = real.find(piece.strip(), at)
