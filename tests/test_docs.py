@@ -188,7 +188,7 @@ def test_command_names_what_exists(doc, command):
         if script.startswith(REPO_DIRS) and script.endswith((".py", ".sh")):
             source = read(script)
             for word in words[2:]:
-                flag = word.split("=")[0]
+                flag = word.strip("[]").split("=")[0]  # `[--runs 30]`: usage notation for an option
                 quoted = re.search(rf"[\"']{re.escape(flag)}[\"']", source)  # as argparse or a [[ ]] test spells it
                 assert not flag.startswith("--") or quoted, f"{doc}: `{command}`: {script} has no {flag}"
             if script.startswith("tests/"):  # the docs generators: cheap, so run them (never their redirection)
