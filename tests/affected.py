@@ -58,7 +58,7 @@ ROWS: tuple[Row, ...] = (
         "`'DistributedDataParallel' object has no attribute 'get_decoder'` (`'base_model'` from 1.6.0)",
         "the same: it trains", _DPO_KTO),
     Row(("gkd", "gold"), "GKD, GOLD", "1.0.0", "1.5.1", DDP, SILENT,
-        "the student never runs through DDP's `forward` (fixed in TRL 1.6.0, #5934)",
+        "the student never runs through DDP's `forward` (fixed in TRL 1.6.0: PR #5934, issue #5282)",
         "runs the student's Liger loss inside DDP's `forward`", _JSD[:2]),
     Row(("distillation",), "Distillation (`trl.experimental`)", "1.1.0", "1.5.1", DDP, SILENT,
         "as GKD", "as GKD", _JSD[2:]),
