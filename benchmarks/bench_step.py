@@ -225,30 +225,43 @@ def n_params(size: dict) -> int:
     return size["V"] * H + size["layers"] * (attn + 3 * H * inter)
 
 
+def _sizes_per_rank(arm: str, dtype: str, L: int, size: dict) -> float:
+    """One rank's peak RSS from the sizes alone, in bytes: 0.6 GiB of runtime, five parameter-sized tensors (policy,
+    reference, gradients, DDP's buckets, the tied embedding's own gradient) and the fp32 logits of the two
+    sequences per rank with gradients times 3.5 for ``off`` (logits, log-softmax and their gradients: 3.3 measured
+    at L=128, fp32 DPO), times 0.5 for the chunked arms (the body's activations, the loss's chunk)."""
+    pbytes = n_params(size) * (2 if dtype == "bf16" else 4)
+    logits = 2 * L * size["V"] * 4
+    return 0.6 * GIB + 5 * pbytes + (3.5 if arm == "off" else 0.5) * logits
+
+
 def estimate_gib(arm: str, cfg: tuple, size: dict, measured: dict) -> tuple[float, str]:
     """Two ranks' peak RSS for ``arm`` at ``cfg``, in GiB, and how it was estimated.
 
-    From a shorter length of the same (arm, trainer, dtype, prompt) measured in this run: the increment over the
-    pre-step RSS minus the parameter-sized gradients, scaled linearly in L (logits, activations and their gradients
-    grow with L).  Otherwise: weights, reference weights, gradients and DDP's buckets, plus per sequence the logits
-    ``L x V`` in fp32 times 6 (off: logits, log-softmax, their gradients) or times 0.5 (chunked arms).
+    From shorter lengths of the same (arm, trainer, dtype, prompt) already measured (this run or ``--calibration``):
+    two lengths give a line through their peaks; one gives its peak plus what :func:`_sizes_per_rank` adds from
+    there to L.  Otherwise :func:`_sizes_per_rank` alone.
     """
     trainer, dtype, prompt, L = cfg
-    per = 2 if dtype == "bf16" else 4
-    grads = n_params(size) * per
-    shorter = [(ll, r) for (a, t, d, p, ll), r in measured.items() if (a, t, d, p) == (arm, trainer, dtype, prompt)]
-    shorter = [(ll, r) for ll, r in shorter if ll < L and "error" not in r]
+    shorter = sorted(
+        (ll, r) for (a, t, d, p, ll), r in measured.items() if (a, t, d, p) == (arm, trainer, dtype, prompt) and ll < L
+    )
+    peak = {ll: max(x["peak"] for x in r["ranks"]) for ll, r in shorter}
+    if len(shorter) >= 2:
+        (l0, _), (l1, _) = shorter[-2], shorter[-1]
+        slope = max(peak[l1] - peak[l0], 0) / (l1 - l0)
+        return 2 * (peak[l1] + slope * (L - l1)) / GIB, f"line through the peaks at L={l0} and L={l1}"
     if shorter:
-        L0, r = max(shorter, key=lambda x: x[0])
-        ranks = r["ranks"]
-        base = max(x["base"] for x in ranks)
-        inc = max(x["peak"] - x["base"] for x in ranks)
-        per_rank = base + grads + max(inc - grads, 0) * L / L0
-        return 2 * per_rank / GIB, f"from L={L0}: base {base / GIB:.2f} GiB + step {inc / GIB:.2f} GiB scaled"
-    seqs = 4 if trainer == "kto" else 2  # KTO: its KL rows go through the model too (no gradient)
-    logits = seqs * L * size["V"] * 4
-    per_rank = 0.8 * GIB + 4 * grads + logits * (6 if arm == "off" else 0.5)
-    return 2 * per_rank / GIB, "from sizes (logits x 6 for off, x 0.5 chunked; weights x 4; 0.8 GiB runtime)"
+        l0 = shorter[-1][0]
+        grow = _sizes_per_rank(arm, dtype, L, size) - _sizes_per_rank(arm, dtype, l0, size)
+        return 2 * (peak[l0] + grow) / GIB, f"peak at L={l0} + logits-sized growth"
+    return 2 * _sizes_per_rank(arm, dtype, L, size) / GIB, "from sizes (0.6 GiB + 5 x parameters + logits)"
+
+
+def _available_gib() -> float:
+    import psutil
+
+    return psutil.virtual_memory().available / GIB
 
 
 def _tree_rss(pid: int) -> int:
@@ -402,6 +415,8 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--mem-limit-gib", type=float, default=10.0, help="skip a launch estimated above this (2 ranks)")
     ap.add_argument("--mem-kill-gib", type=float, default=12.0, help="kill a launch whose processes pass this")
+    ap.add_argument("--budget-s", type=float, default=None, help="launch nothing after this many seconds")
+    ap.add_argument("--calibration", action="append", help="an earlier --json output: seeds the memory estimates")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     ap.add_argument("--json", default=None, help="write every launch and the table here")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -444,15 +459,24 @@ def main(argv=None) -> int:
     print(header, flush=True)
     runs: dict[tuple, list[dict]] = {}
     measured: dict[tuple, dict] = {}
+    for path in args.calibration or []:  # earlier --json outputs: what they measured seeds the memory estimates
+        for r in json.loads(Path(path).read_text())["runs"]:
+            if "ranks" in r:
+                measured[(r["arm"], r["trainer"], r["dtype"], r["prompt"], r["L"])] = r
     for rnd in range(args.rounds):
         for i, cfg in enumerate(configs):
             k = (rnd + i) % len(arms)
             for arm in arms[k:] + arms[:k]:  # the order rotates: no arm always runs first or last
                 est, how = estimate_gib(arm, cfg, size, measured)
+                free = _available_gib()
+                res = dict(arm=arm, trainer=cfg[0], dtype=cfg[1], prompt=cfg[2], L=cfg[3], estimate_gib=est)
                 if args.device == "cpu" and est > args.mem_limit_gib:
-                    res = dict(arm=arm, trainer=cfg[0], dtype=cfg[1], prompt=cfg[2], L=cfg[3],
-                               error=f"not run here: memory (estimated {est:.1f} GiB for 2 ranks > "
-                                     f"{args.mem_limit_gib:g} GiB; {how})")  # fmt: skip
+                    res["error"] = (f"not run here: memory (estimated {est:.1f} GiB for 2 ranks > "
+                                    f"{args.mem_limit_gib:g} GiB; {how})")  # fmt: skip
+                elif args.device == "cpu" and est + 2 > free:
+                    res["error"] = f"not run here: memory (estimated {est:.1f} GiB; {free:.1f} GiB available now)"
+                elif args.budget_s and time.monotonic() - started > args.budget_s:
+                    res["error"] = f"not run here: time (the {args.budget_s:.0f} s budget was spent)"
                 else:
                     res = launch(arm, cfg, args, assets, work, size)
                     res["estimate_gib"] = est
