@@ -401,12 +401,12 @@ def verdict(row: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--smoke", action="store_true", help="tiny model (V=512, H=32), L=32, DPO fp32 50 %%, 1 round")
+    ap.add_argument("--smoke", action="store_true", help="tiny model (V=512, H=32), L=32, fp32, 50 %% prompt")
     ap.add_argument("--arms", default=",".join(ARMS))
-    ap.add_argument("--trainers", default=",".join(TRAINERS))
-    ap.add_argument("--dtypes", default=",".join(DTYPES))
-    ap.add_argument("--prompts", default=",".join(map(str, PROMPTS)))
-    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    ap.add_argument("--trainers", default=None, help=",".join(TRAINERS))
+    ap.add_argument("--dtypes", default=None, help=",".join(DTYPES))
+    ap.add_argument("--prompts", default=None, help=",".join(map(str, PROMPTS)))
+    ap.add_argument("--lengths", default=None, help=",".join(map(str, LENGTHS)))
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 151,936)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2, help="measured steps per launch (after the warm-up)")
@@ -435,17 +435,22 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     if args.smoke:
-        args.trainers, args.dtypes, args.prompts, args.lengths = "dpo", "fp32", "0.5", "32"
+        args.dtypes, args.prompts, args.lengths = args.dtypes or "fp32", args.prompts or "0.5", args.lengths or "32"
         size = dict(SMOKE_MODEL)
     else:
         size = dict(MODEL)
     if args.vocab:
         size["V"] = args.vocab
+    args.trainers = args.trainers or ",".join(TRAINERS)
+    args.dtypes = args.dtypes or ",".join(DTYPES)
+    args.prompts = args.prompts or ",".join(map(str, PROMPTS))
+    args.lengths = args.lengths or ",".join(map(str, LENGTHS))
     arms = args.arms.split(",")
     if unknown := set(arms) - set(ARMS):
         ap.error(f"unknown arm(s) {sorted(unknown)}; arms: {', '.join(ARMS)}")
-    configs = [(t, d, float(p), int(n)) for n in args.lengths.split(",") for t in args.trainers.split(",")
-               for d in args.dtypes.split(",") for p in args.prompts.split(",")]  # fmt: skip
+    # shortest length first (it seeds the memory estimates of the longer ones); trainers alternate fastest
+    configs = [(t, d, float(p), int(n)) for n in args.lengths.split(",") for p in args.prompts.split(",")
+               for d in args.dtypes.split(",") for t in args.trainers.split(",")]  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="bench-step-"))
     size["max_len"] = max(4096, *(c[3] for c in configs))
     assets = build_assets(work / "model", size)
