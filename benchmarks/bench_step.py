@@ -194,8 +194,8 @@ def worker(args) -> None:
 # ------------------------------------------------------------------------------------------------ the launcher
 
 
-def build_assets(directory: Path, size: dict) -> Path:
-    """A word-level tokenizer (one token per word) and the model (fp32, tied) saved to ``directory``.
+def build_assets(directory: Path, size: dict, dtype: str = "float32") -> Path:
+    """A word-level tokenizer (one token per word) and the model (tied, saved in ``dtype``) saved to ``directory``.
 
     Saved, not built in each rank: TRL loads the reference model from the policy's ``name_or_path``.
     """
@@ -215,7 +215,7 @@ def build_assets(directory: Path, size: dict) -> Path:
         head_dim=size["head_dim"], max_position_embeddings=size.get("max_len", 4096), tie_word_embeddings=True,
         pad_token_id=vocab["<pad>"], eos_token_id=vocab["<eos>"], bos_token_id=None,
     )  # fmt: skip
-    Qwen3ForCausalLM(config).save_pretrained(directory)
+    Qwen3ForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(directory)
     return directory
 
 
@@ -280,47 +280,71 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def launch(arm: str, cfg: tuple, args, assets: Path, out_dir: Path, size: dict) -> dict:
-    """One torchrun (2 ranks) of one configuration under one arm: rank 0's result, or a row saying why not."""
+def trl_dirs(args) -> dict[str, str]:
+    """Where each arm's TRL comes from: the installed 1.12.0 (or ``.cache/trl/1.12.0``), ``.cache/trl/1.14.0``."""
+    return {"1.12.0": str(TRL_DIRS / "1.12.0") if args.trl112_from_cache else "", "1.14.0": str(TRL_DIRS / "1.14.0")}
+
+
+def launch(arm: str, cfg: tuple, args, assets: Path, out_dir: Path, paths: dict | None = None) -> dict:
+    """One configuration under one arm in two fresh ranks: rank 0's result, or a row saying why there is none.
+
+    ``args.nodes`` 1: ``torchrun --standalone --nproc_per_node=2``; 2: two one-process torchrun "nodes" on loopback
+    (on one GPU both ranks then see ``LOCAL_RANK`` 0, i.e. cuda:0).  ``paths``: ``{TRL version: folder ("" for the
+    installed one), "common": folder or ""}`` put first on ``PYTHONPATH`` (default :func:`trl_dirs`).
+    """
     import signal
 
+    paths = paths if paths is not None else trl_dirs(args)
     trainer, dtype, prompt, L = cfg
     out = out_dir / f"{arm}-{trainer}-{dtype}-{int(prompt * 100)}-{L}-{time.monotonic_ns()}.json"
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
-    path = [str(TRL_DIRS / TRL_OF[arm])] if TRL_OF[arm] != "1.12.0" or args.trl112_from_cache else []
-    env["PYTHONPATH"] = os.pathsep.join([*path, str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    first = [paths.get(TRL_OF[arm], ""), paths.get("common", ""), str(ROOT), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in first if p)
     if arm != "patched":
         env["LIGER_DDP_PATCH_DISABLE"] = "1"  # whatever a .pth or sitecustomize might bring
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(Path(__file__).resolve()), "--worker", "--arm", arm, "--trainer", trainer, "--dtype", dtype,
-           "--prompt", str(prompt), "--length", str(L), "--assets", str(assets), "--out", str(out),
-           "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--device", args.device]  # fmt: skip
-    log_path = out.with_suffix(".log")
-    started, killed, tree_peak = time.monotonic(), None, 0
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        while proc.poll() is None:
-            time.sleep(0.25)
-            rss = _tree_rss(proc.pid)
-            tree_peak = max(tree_peak, rss)
-            if args.device == "cpu" and rss > args.mem_kill_gib * GIB:
-                killed = f"killed by the memory guard: its processes passed {args.mem_kill_gib} GiB"
-            elif time.monotonic() - started > args.timeout:
-                killed = f"timed out after {args.timeout:.0f} s"
-            if killed:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                break
-    text = log_path.read_text(errors="replace")
+    worker_cmd = [str(Path(__file__).resolve()), "--worker", "--arm", arm, "--trainer", trainer, "--dtype", dtype,
+                  "--prompt", str(prompt), "--length", str(L), "--assets", str(assets), "--out", str(out),
+                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]  # fmt: skip
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if getattr(args, "nodes", 1) == 2:
+        import socket
+
+        with socket.socket() as sock:  # a free port on loopback for the rendezvous
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmds = [[*run, "--nnodes=2", f"--node_rank={rank}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
+                 f"--master_port={port}", *worker_cmd] for rank in (0, 1)]  # fmt: skip
+    else:
+        cmds = [[*run, "--standalone", f"--nproc_per_node={args.nproc}", *worker_cmd]]
+    started, killed, tree_peak, procs, logs = time.monotonic(), None, 0, [], []
+    for i, cmd in enumerate(cmds):  # each to a file, not a pipe: a blocked rank would hold the other
+        logs.append(out.with_suffix(f".{i}.log"))
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    while any(p.poll() is None for p in procs):
+        time.sleep(0.25)
+        rss = sum(_tree_rss(p.pid) for p in procs)
+        tree_peak = max(tree_peak, rss)
+        if args.device == "cpu" and rss > args.mem_kill_gib * GIB:
+            killed = f"killed by the memory guard: its processes passed {args.mem_kill_gib} GiB"
+        elif time.monotonic() - started > args.timeout:
+            killed = f"timed out after {args.timeout:.0f} s"
+        if killed:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            break
+    text = "\n".join(path.read_text(errors="replace") for path in logs)
     result = json.loads(out.read_text()) if out.exists() else {}
     result.update(arm=arm, trainer=trainer, dtype=dtype, prompt=prompt, L=L, wall_s=time.monotonic() - started)
     result["tree_peak_gib"] = tree_peak / GIB
     if killed:
         result["error"] = killed
     elif "ranks" not in result and "error" not in result:
-        oom = proc.returncode in (-9, 137) or "Killed" in text or "out of memory" in text.lower()
-        why = "out of memory (killed)" if oom else f"crashed (exit {proc.returncode})"
+        codes = [p.returncode for p in procs]
+        oom = any(c in (-9, 137) for c in codes) or "Killed" in text or "out of memory" in text.lower()
+        why = "out of memory (killed)" if oom else f"crashed (exit {codes})"
         result["error"] = f"{why}: {text.strip().splitlines()[-1][:300] if text.strip() else ''}"
     if "error" in result:
         result["log_tail"] = text[-3000:]
@@ -413,6 +437,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="threads per rank (OMP_NUM_THREADS)")
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--nodes", type=int, default=1, choices=(1, 2), help="2: two one-process nodes (one GPU)")
     ap.add_argument("--mem-limit-gib", type=float, default=10.0, help="skip a launch estimated above this (2 ranks)")
     ap.add_argument("--mem-kill-gib", type=float, default=12.0, help="kill a launch whose processes pass this")
     ap.add_argument("--budget-s", type=float, default=None, help="launch nothing after this many seconds")
@@ -483,7 +508,7 @@ def main(argv=None) -> int:
                 elif args.budget_s and time.monotonic() - started > args.budget_s:
                     res["error"] = f"not run here: time (the {args.budget_s:.0f} s budget was spent)"
                 else:
-                    res = launch(arm, cfg, args, assets, work, size)
+                    res = launch(arm, cfg, args, assets, work)
                     res["estimate_gib"] = est
                 res["warmup"] = args.warmup
                 res["round"] = rnd
