@@ -194,10 +194,11 @@ def worker(args) -> None:
 # ------------------------------------------------------------------------------------------------ the launcher
 
 
-def build_assets(directory: Path, size: dict, dtype: str = "float32") -> Path:
+def build_assets(directory: Path, size: dict, dtype: str = "float32", device: str = "cpu") -> Path:
     """A word-level tokenizer (one token per word) and the model (tied, saved in ``dtype``) saved to ``directory``.
 
-    Saved, not built in each rank: TRL loads the reference model from the policy's ``name_or_path``.
+    Saved, not built in each rank: TRL loads the reference model from the policy's ``name_or_path``.  ``device``:
+    where the weights are drawn (a GPU draws a billion in a moment).
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -215,7 +216,10 @@ def build_assets(directory: Path, size: dict, dtype: str = "float32") -> Path:
         head_dim=size["head_dim"], max_position_embeddings=size.get("max_len", 4096), tie_word_embeddings=True,
         pad_token_id=vocab["<pad>"], eos_token_id=vocab["<eos>"], bos_token_id=None,
     )  # fmt: skip
-    Qwen3ForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(directory)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(directory)
+    del model
     return directory
 
 
@@ -265,7 +269,10 @@ def _available_gib() -> float:
 
 
 def _tree_rss(pid: int) -> int:
-    import psutil
+    try:
+        import psutil
+    except ImportError:  # (a GPU image without it: the memory guard is off there anyway)
+        return 0
 
     try:
         procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]

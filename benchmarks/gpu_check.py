@@ -291,7 +291,11 @@ def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
     size.pop("L", None)
     size["max_len"] = max(4096, L)
     work = Path(tempfile.mkdtemp(prefix="gpu-check-step-"))  # not --out: the model is GBs, and --out comes back
-    assets = bench_step.build_assets(work / "model", size, dtype="bfloat16")
+    assets = bench_step.build_assets(work / "model", size, dtype="bfloat16", device=args.device)
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()  # the parent's drawing buffers must not sit on the GPU the ranks measure
     opts = argparse.Namespace(threads=1 if args.cpu_smoke else 4, nproc=2, nodes=2, device=args.device,
                               steps=args.reps_c, warmup=1, mem_kill_gib=float("inf"))  # fmt: skip
     trl = {"1.12.0": paths["trl-1.12.0"], "1.14.0": paths["trl-1.14.0"], "common": paths["common"]}
