@@ -145,6 +145,7 @@ def worker(args) -> None:
             seed=0,
         )
         times: list[float] = []
+        cpu: list[float] = []  # this process's CPU seconds per step: what a shared machine's load hardly moves
         state: dict = {}
 
         def sync():
@@ -160,11 +161,12 @@ def worker(args) -> None:
 
             def on_step_begin(self, *_a, **_k):
                 sync()
-                state["t0"] = time.perf_counter()
+                state["t0"], state["c0"] = time.perf_counter(), time.process_time()
 
             def on_step_end(self, *_a, **_k):
                 sync()
                 times.append(time.perf_counter() - state["t0"])
+                cpu.append(time.process_time() - state["c0"])
 
         trainer = trainer_cls(model=model, args=cfg, train_dataset=dataset, processing_class=tokenizer)
         trainer.add_callback(StepTimer())
@@ -172,7 +174,7 @@ def worker(args) -> None:
         peak = torch.cuda.max_memory_allocated() if cuda else _rss("VmHWM")
         losses = sorted({type(v).__name__ for v in vars(trainer).values() if "Loss" in type(v).__name__})
         # seqs: the sequences the policy trains on per rank (a DPO pair is two; KTO's KL rows are not counted)
-        mine = dict(times=times, base=state.get("base"), peak=peak, losses=losses, world=world, seqs=2 * batch
+        mine = dict(times=times, cpu=cpu, base=state.get("base"), peak=peak, losses=losses, world=world, seqs=2 * batch
                     if args.trainer == "dpo" else batch)  # fmt: skip
         ranks = [None] * world
         dist.all_gather_object(ranks, mine)
@@ -359,22 +361,25 @@ def launch(arm: str, cfg: tuple, args, assets: Path, out_dir: Path, paths: dict 
 
 
 def summarise(arm: str, runs: list[dict]) -> dict:
-    """Median over rounds of the per-round step time (the slower rank's median step) and of the peak RSS."""
+    """Median over rounds of the per-round step time (the slower rank's median step), of the CPU seconds per step
+    (the larger rank's median) and of the peak RSS."""
     good = [r for r in runs if "ranks" in r]
     if not good:
         return {"error": runs[-1].get("error", "no run") if runs else "no run"}
-    steps, peaks, bases = [], [], []
+    steps, cpus, peaks, bases = [], [], [], []
     for r in good:
-        per_step = [max(rank["times"][i] for rank in r["ranks"]) for i in range(len(r["ranks"][0]["times"]))]
         warm = r.get("warmup", 1)
+        per_step = [max(rank["times"][i] for rank in r["ranks"]) for i in range(len(r["ranks"][0]["times"]))]
         steps.append(statistics.median(per_step[warm:]))
+        cpus.append(max(statistics.median(rank["cpu"][warm:]) if rank.get("cpu") else 0.0 for rank in r["ranks"]))
         peaks.append(max(rank["peak"] for rank in r["ranks"]))
         bases.append(max(rank["base"] for rank in r["ranks"]))
     first = good[0]["ranks"][0]
     tokens = first["seqs"] * first["world"] * good[0]["L"]
     s = statistics.median(steps)
-    return dict(s=s, tok_s=tokens / s, peak_gib=statistics.median(peaks) / GIB, base_gib=statistics.median(bases) / GIB,
-                tokens=tokens, rounds=len(good), losses=first["losses"], steps=steps)  # fmt: skip
+    return dict(s=s, tok_s=tokens / s, cpu_s=statistics.median(cpus), peak_gib=statistics.median(peaks) / GIB,
+                base_gib=statistics.median(bases) / GIB, tokens=tokens, rounds=len(good), losses=first["losses"],
+                steps=steps)  # fmt: skip
 
 
 def ratios(runs: dict[str, list[dict]], a: str, b: str, key: str) -> float | None:
@@ -382,7 +387,7 @@ def ratios(runs: dict[str, list[dict]], a: str, b: str, key: str) -> float | Non
     out = []
     for ra, rb in zip(runs.get(a, []), runs.get(b, [])):
         sa, sb = summarise(a, [ra]), summarise(b, [rb])
-        if "error" not in sa and "error" not in sb:
+        if "error" not in sa and "error" not in sb and sb[key] > 0:
             out.append(sa[key] / sb[key])
     return statistics.median(out) if out else None
 
@@ -393,7 +398,7 @@ def render(table: list[dict], arms: list[str], header: str) -> str:
     for arm in arms:
         cols += [f"{arm} s", f"{arm} tok/s", f"{arm} GiB"]
     peers = [a for a in arms if a != "patched"]
-    cols += [f"patched/{a} time" for a in peers] + [f"patched/{a} mem" for a in peers] + ["targets"]
+    cols += [f"patched/{a} {k}" for k in ("time", "cpu", "mem") for a in peers] + ["targets"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     notes = []
     for row in table:
@@ -407,7 +412,7 @@ def render(table: list[dict], arms: list[str], header: str) -> str:
                              f"{s['error']}")  # fmt: skip
             else:
                 cells += [f"{s['s']:.2f}", f"{s['tok_s']:.0f}", f"{s['peak_gib']:.2f}"]
-        for key in ("time", "mem"):
+        for key in ("time", "cpu", "mem"):
             for a in peers:
                 v = row["ratios"].get(f"{key}/{a}")
                 cells.append("-" if v is None else f"{v:.2f}")
@@ -535,6 +540,7 @@ def main(argv=None) -> int:
         for peer in arms:
             if peer != "patched":
                 row["ratios"][f"time/{peer}"] = ratios(by_arm, "patched", peer, "s")
+                row["ratios"][f"cpu/{peer}"] = ratios(by_arm, "patched", peer, "cpu_s")
                 row["ratios"][f"mem/{peer}"] = ratios(by_arm, "patched", peer, "peak_gib")
         row["verdict"] = verdict(row)
         table.append(row)

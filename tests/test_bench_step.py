@@ -44,6 +44,7 @@ def test_smallest_configuration_runs_patched_and_liger_off(tmp_path):
         assert "error" not in r, (arm, r.get("error"), r.get("log_tail"))
         assert len(r["ranks"]) == 2 and all(len(rank["times"]) == 3 for rank in r["ranks"]), r["ranks"]
         assert all(rank["peak"] >= rank["base"] > 0 for rank in r["ranks"])
+        assert all(len(rank["cpu"]) == 3 and min(rank["cpu"]) > 0 for rank in r["ranks"])
     assert runs["patched"]["ranks"][0]["losses"] == ["ChunkedDPOLoss"]
     assert runs["off"]["ranks"][0]["losses"] == []
     (row,) = report["table"]
@@ -63,8 +64,9 @@ def test_rows_over_the_memory_limit_are_reported_not_launched(tmp_path):
 
 
 def _launch(arm, L, peak, base=1 * GIB, times=(9.0, 2.0, 4.0), slower_rank=(9.0, 3.0, 3.0)):
-    ranks = [dict(times=list(times), base=base, peak=peak, losses=[], world=2, seqs=2),
-             dict(times=list(slower_rank), base=base, peak=peak - 1, losses=[], world=2, seqs=2)]  # fmt: skip
+    ranks = [dict(times=list(times), cpu=[t / 2 for t in times], base=base, peak=peak, losses=[], world=2, seqs=2),
+             dict(times=list(slower_rank), cpu=[1.0] * 3, base=base, peak=peak - 1, losses=[], world=2,
+                  seqs=2)]  # fmt: skip
     return dict(arm=arm, trainer="dpo", dtype="fp32", prompt=0.5, L=L, ranks=ranks, warmup=1)
 
 
@@ -73,6 +75,7 @@ def test_summary_takes_the_slower_rank_per_step_after_the_warm_up():
     assert s["steps"] == [3.5]  # per step max over ranks: 3.0, 4.0; warm-up (9.0) dropped; median 3.5
     assert s["tokens"] == 2 * 2 * 512 and s["tok_s"] == pytest.approx(2048 / 3.5)
     assert s["peak_gib"] == pytest.approx(3.0)  # the larger rank's high-water mark
+    assert s["cpu_s"] == pytest.approx(1.5)  # the larger rank's median CPU seconds after the warm-up: 1.0 and 2.0
     assert bench_step.summarise("off", [dict(error="crashed (exit [1]): boom")]) == {
         "error": "crashed (exit [1]): boom"
     }
