@@ -454,6 +454,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-kill-gib", type=float, default=12.0, help="kill a launch whose processes pass this")
     ap.add_argument("--budget-s", type=float, default=None, help="launch nothing after this many seconds")
     ap.add_argument("--calibration", action="append", help="an earlier --json output: seeds the memory estimates")
+    ap.add_argument("--reuse", action="append", help="an interrupted run's folder: its finished launches count")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per launch")
     ap.add_argument("--json", default=None, help="write every launch and the table here")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -501,6 +502,12 @@ def main(argv=None) -> int:
     print(header, flush=True)
     runs: dict[tuple, list[dict]] = {}
     measured: dict[tuple, dict] = {}
+    reuse: dict[tuple, list[dict]] = {}  # --reuse: launches an interrupted run finished, taken instead of relaunching
+    for folder in args.reuse or []:
+        for path in sorted(Path(folder).glob("*.json")):
+            r = json.loads(path.read_text())
+            if "ranks" in r:
+                reuse.setdefault((r["arm"], r["trainer"], r["dtype"], float(r["prompt"]), int(r["L"])), []).append(r)
     for path in args.calibration or []:  # earlier --json outputs: what they measured seeds the memory estimates
         for r in json.loads(Path(path).read_text())["runs"]:
             if "ranks" in r:
@@ -517,6 +524,8 @@ def main(argv=None) -> int:
                                     f"{args.mem_limit_gib:g} GiB; {how})")  # fmt: skip
                 elif args.device == "cpu" and est + 2 > free:
                     res["error"] = f"not run here: memory (estimated {est:.1f} GiB; {free:.1f} GiB available now)"
+                elif reuse.get((arm, *cfg)):
+                    res = dict(reuse[(arm, *cfg)].pop(0), reused=True, wall_s=0.0)
                 elif args.budget_s and time.monotonic() - started > args.budget_s:
                     res["error"] = f"not run here: time (the {args.budget_s:.0f} s budget was spent)"
                 else:
