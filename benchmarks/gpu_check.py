@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The one prepared GPU check (issue #9): the loss head in bf16 at a real size, and real GPU DDP, in <= 8 minutes.
+"""The one prepared GPU check (issues #9, #22): the loss head in bf16 at a real size, real GPU DDP and a whole DDP
+step, in <= 8 minutes.
 
     bash benchmarks/gpu_wheels.sh                    # here, with network: wheels the GPU machine lacks -> .whl/
     python3 benchmarks/gpu_check.py --out $OUT       # there: one H200, no network (carry .whl)
@@ -17,6 +18,10 @@
     repo's probe (liger_ddp_patch/demo/probe.py ``--device cuda``) running one DPO and one KTO step with Liger on
     the tiny Qwen3 with the real vocabulary; TRL 1.12.0 and 1.8.0 (before 1.9 the unpatched trainer crashes in
     DDP), unpatched vs patched: parameters whose gradients differ across the ranks.
+(c) One whole DDP training step (benchmarks/bench_step.py's launches, issue #22): bf16, V=151,936, H=3,584 over 2
+    Qwen2.5-7B-sized layers, L=4,096, 50 % prompt, one DPO pair / two KTO rows per rank, both ranks on cuda:0 as in
+    (b); patched vs Liger-off vs TRL 1.14 per trainer: median step time, tokens/s, peak memory allocated per rank and
+    the ratios patched / arm.  Runs last and starts no launch once ``--budget`` is spent.
 
 Prints one table and writes ``gpu_check.json`` to ``--out`` (after deleting what an earlier run left there), then
 checks every row (``check_rows``: the same checks as tests/test_gpu_check.py) and exits 1 when one fails.
