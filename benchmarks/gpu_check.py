@@ -317,6 +317,7 @@ def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
                 res = bench_step.launch(arm, (trainer, "bf16", STEP_PROMPT, L), opts, assets, work, trl)
                 res["warmup"] = 1
                 row.update(bench_step.summarise(arm, [res]), wall_s=round(res["wall_s"], 1), run=res)
+                row["times"] = [rank["times"] for rank in res.get("ranks", [])]  # per rank: warm-up, measured
                 if "error" in row:
                     row["log_tail"] = res.get("log_tail", "")[-1500:]
             rows.append(row)
@@ -366,7 +367,7 @@ def check_rows(
             steps = r.get("steps") or []
             if not (len(steps) == 1 and r["s"] > 0 and r.get("peak_gib", 0) > 0):
                 bad.append(f"{tag}: no step time or peak ({r.get('s')}, {r.get('peak_gib')})")
-            if len(r.get("run", {}).get("ranks", [{}])[0].get("times", [])) != reps_c + 1:
+            if not r.get("times") or any(len(t) != reps_c + 1 for t in r["times"]):
                 bad.append(f"{tag}: not {reps_c} measured steps after one warm-up")
             if r.get("arm") == "patched" and not any(str(x).startswith("Chunked") for x in r.get("losses", [])):
                 bad.append(f"{tag}: loss {r.get('losses')}, not ours")

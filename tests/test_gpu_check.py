@@ -67,7 +67,7 @@ def _passing_report():
                      loss_class="ChunkedDPOLoss")
             )  # fmt: skip
     rows_c = [
-        dict(trainer=t, arm=a, s=1.0, tok_s=100.0, peak_gib=2.0, steps=[1.0], run=dict(ranks=[dict(times=[3, 1, 1])]),
+        dict(trainer=t, arm=a, s=1.0, tok_s=100.0, peak_gib=2.0, steps=[1.0], times=[[3, 1, 1], [3, 1, 1]],
              losses=["ChunkedDPOLoss"] if a == "patched" else [])
         for t in gpu_check.STEP_TRAINERS for a in gpu_check.STEP_ARMS
     ]  # fmt: skip
@@ -118,7 +118,7 @@ def test_check_rows_fails_each_broken_row(breakage):
         elif breakage == "step: an arm missing":
             c.pop()
         elif breakage == "step: one measured step":
-            patched["run"]["ranks"][0]["times"] = [3, 1]
+            patched["times"][1] = [3, 1]
         else:
             next(r for r in c if r["arm"] == "off")["error"] = ""
     else:
