@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The one prepared GPU check (issue #9): the loss head in bf16 at a real size, and real GPU DDP, in <= 8 minutes.
+"""The one prepared GPU check (issues #9, #22): the loss head in bf16 at a real size, real GPU DDP and a whole DDP
+step, in <= 8 minutes.
 
     bash benchmarks/gpu_wheels.sh                    # here, with network: wheels the GPU machine lacks -> .whl/
     python3 benchmarks/gpu_check.py --out $OUT       # there: one H200, no network (carry .whl)
@@ -17,6 +18,10 @@
     repo's probe (liger_ddp_patch/demo/probe.py ``--device cuda``) running one DPO and one KTO step with Liger on
     the tiny Qwen3 with the real vocabulary; TRL 1.12.0 and 1.8.0 (before 1.9 the unpatched trainer crashes in
     DDP), unpatched vs patched: parameters whose gradients differ across the ranks.
+(c) One whole DDP training step (benchmarks/bench_step.py's launches, issue #22): bf16, V=151,936, H=3,584 over 2
+    Qwen2.5-7B-sized layers, L=4,096, 50 % prompt, one DPO pair / two KTO rows per rank, both ranks on cuda:0 as in
+    (b); patched vs Liger-off vs TRL 1.14 per trainer: median step time, tokens/s, peak memory allocated per rank and
+    the ratios patched / arm.  Runs last and starts no launch once ``--budget`` is spent.
 
 Prints one table and writes ``gpu_check.json`` to ``--out`` (after deleting what an earlier run left there), then
 checks every row (``check_rows``: the same checks as tests/test_gpu_check.py) and exits 1 when one fails.
@@ -56,6 +61,13 @@ WHEELS = [
     ("multiprocess", "0.70.19", "multiprocess"),
 ]
 DDP_TRL = ("1.12.0", "1.8.0")
+# (c) the whole DDP step (benchmarks/bench_step.py): Qwen2.5-7B's head (V, H) over 2 of its layers, bf16
+STEP_ARMS = ("patched", "off", "trl114")
+STEP_TRAINERS = ("dpo", "kto")
+SMOKE_STEP_TRAINERS = ("kto",)  # the CPU smoke: KTO's three launches (tests/test_bench_step.py launches DPO)
+STEP_PROMPT = 0.5
+GPU_STEP = dict(V=151_936, H=3_584, layers=2, intermediate=18_944, heads=28, kv_heads=4, head_dim=128, L=4_096)
+SMOKE_STEP = dict(V=512, H=32, layers=2, intermediate=64, heads=2, kv_heads=1, head_dim=16, L=32)
 ARMS_A = ("ours", "ours_long", "ours_2p", "liger_c", "trl114", "mat")
 PROMPTS_A = (0.5, 0.0)
 GPU_SIZE = dict(V=151_936, H=3_584, B=16, L=512)
@@ -270,16 +282,95 @@ def run_part_b(args, paths, out: Path) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------- (c) the whole step
+
+
+def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
+    """bench_step's launches on this device, two one-process nodes (both ranks on cuda:0), one row per trainer x
+    arm; no launch starts after ``deadline`` (a row then says so).  Rewrites ``part_c.json`` after every launch."""
+    sys.path.insert(0, str(HERE))
+    import bench_step
+
+    size = dict(SMOKE_STEP if args.cpu_smoke else GPU_STEP)
+    L = args.step_length or size.pop("L")
+    size.pop("L", None)
+    size["max_len"] = max(4096, L)
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-step-"))  # not --out: the model is GBs, and --out comes back
+    assets = bench_step.build_assets(work / "model", size, dtype="bfloat16", device=args.device)
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()  # the parent's drawing buffers must not sit on the GPU the ranks measure
+    opts = argparse.Namespace(threads=1 if args.cpu_smoke else 4, nproc=2, nodes=2, device=args.device,
+                              steps=args.reps_c, warmup=1, mem_kill_gib=float("inf"))  # fmt: skip
+    trl = {"1.12.0": paths["trl-1.12.0"], "1.14.0": paths["trl-1.14.0"], "common": paths["common"]}
+    rows: list[dict] = []
+    trainers = SMOKE_STEP_TRAINERS if args.cpu_smoke else STEP_TRAINERS
+    for trainer in trainers:
+        for arm in STEP_ARMS:
+            row = dict(trainer=trainer, arm=arm, L=L, prompt=STEP_PROMPT, V=size["V"], H=size["H"])
+            left = deadline - time.monotonic()
+            if left < 30:
+                row["error"] = "not run: the time budget was spent"
+            else:
+                opts.timeout = min(args.timeout_c, left)
+                res = bench_step.launch(arm, (trainer, "bf16", STEP_PROMPT, L), opts, assets, work, trl)
+                res["warmup"] = 1
+                row.update(bench_step.summarise(arm, [res]), wall_s=round(res["wall_s"], 1), run=res)
+                row["times"] = [rank["times"] for rank in res.get("ranks", [])]  # per rank: warm-up, measured
+                if "error" in row:
+                    row["log_tail"] = res.get("log_tail", "")[-1500:]
+            rows.append(row)
+            (out / "part_c.json").write_text(json.dumps(rows, default=str))
+            print(json.dumps({k: v for k, v in row.items() if k not in ("run", "log_tail")}), file=sys.stderr)
+    for trainer in trainers:  # patched / each arm, the issue's question
+        mine = next(r for r in rows if r["trainer"] == trainer and r["arm"] == "patched")
+        for r in rows:
+            if r["trainer"] == trainer and "error" not in r and "error" not in mine:
+                r["patched_time"], r["patched_mem"] = mine["s"] / r["s"], mine["peak_gib"] / r["peak_gib"]
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------- checks
 
 ERR_A = 1e-2  # bf16 against the fp32 truth: correct arms reach a few 1e-3 (dropping the reference model: ~5e-2)
 PATCHED_PARAMS = 25  # the tiny Qwen3's parameters with a gradient: every one must be counted and agree
-OUTPUTS = ("gpu_check.json", "part_a.json", "part_a.log", "tiny")  # plus ddp-*: what a run writes into --out
+OUTPUTS = (
+    "gpu_check.json",
+    "part_a.json",
+    "part_a.log",
+    "part_c.json",
+    "tiny",
+)  # plus ddp-*: what a run writes into --out
 
 
-def check_rows(rows_a: list[dict], rows_b: list[dict], reps: int, parts=("a", "b")) -> list[str]:
-    """Every way a row can be wrong, as messages (empty: all rows pass).  Used by main() and the CPU smoke test."""
+def check_rows(
+    rows_a: list[dict], rows_b: list[dict], reps: int, parts=("a", "b"), rows_c=(), reps_c=2, trainers=STEP_TRAINERS
+) -> list[str]:
+    """Every way a row can be wrong, as messages (empty: all rows pass).  Used by main() and the CPU smoke test.
+
+    (c): every trainer x arm has a row; the patched step ran (``reps_c`` measured steps, our chunked loss); another
+    arm may have failed (running out of memory is an answer) but says why.  The speed and memory targets are
+    reported (``targets``), not checked: a check must not fail on a measurement."""
     bad = []
+    if "c" in parts:
+        seen = {(r.get("trainer"), r.get("arm")) for r in rows_c}
+        want = {(t, a) for t in trainers for a in STEP_ARMS}
+        if seen != want:
+            bad.append(f"(c) rows {sorted(map(str, seen))} != {sorted(map(str, want))}")
+        for r in rows_c:
+            tag = f"(c) {r.get('trainer')} {r.get('arm')}"
+            if "error" in r:
+                if r.get("arm") == "patched" or not r["error"]:
+                    bad.append(f"{tag} failed: {r['error'][:200]}")
+                continue
+            steps = r.get("steps") or []
+            if not (len(steps) == 1 and r["s"] > 0 and r.get("peak_gib", 0) > 0):
+                bad.append(f"{tag}: no step time or peak ({r.get('s')}, {r.get('peak_gib')})")
+            if not r.get("times") or any(len(t) != reps_c + 1 for t in r["times"]):
+                bad.append(f"{tag}: not {reps_c} measured steps after one warm-up")
+            if r.get("arm") == "patched" and not any(str(x).startswith("Chunked") for x in r.get("losses", [])):
+                bad.append(f"{tag}: loss {r.get('losses')}, not ours")
     if "a" in parts:
         seen = {(r.get("arm"), r.get("prompt")) for r in rows_a}
         want = {(a, p) for a in ARMS_A for p in PROMPTS_A}
@@ -328,7 +419,45 @@ def clear_outputs(out: Path) -> None:
 # ----------------------------------------------------------------------------------------------- report
 
 
-def render(info: dict, rows_a: list[dict], rows_b: list[dict]) -> str:
+def targets(rows_c: list[dict]) -> list[str]:
+    """The issue's targets per trainer: patched no slower than off and trl114 (and its memory against off's)."""
+    lines = []
+    for trainer in dict.fromkeys(r.get("trainer") for r in rows_c):
+        for peer in ("off", "trl114"):
+            r = next((r for r in rows_c if r.get("trainer") == trainer and r.get("arm") == peer), {})
+            if "patched_time" in r:
+                verdict = "met" if r["patched_time"] <= 1.0 else "MISSED"
+                lines.append(f"{trainer} patched/{peer}: time {r['patched_time']:.2f} ({verdict}), "
+                             f"peak memory {r['patched_mem']:.2f}")  # fmt: skip
+            else:
+                lines.append(f"{trainer} patched/{peer}: no ratio ({(r.get('error') or 'patched failed')[:80]})")
+    return lines
+
+
+def render_c(info: dict, rows_c: list[dict]) -> list[str]:
+    c = info.get("step", {})
+    lines = [
+        "",
+        f"(c) one whole DDP training step, bf16, V={c.get('V', 0):,} H={c.get('H', 0):,} {c.get('layers')} layers, "
+        f"L={c.get('L', 0):,}, {c.get('prompt', 0):.0%} prompt, 2 ranks ({info['ddp_device']}, gloo), per rank a DPO "
+        f"pair / 2 KTO rows; peak = {'max allocated' if info['device'] == 'cuda' else 'VmHWM'} per rank",
+        f"{'trainer':7} {'arm':9} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9} {'patched/arm time':>17} "
+        f"{'patched/arm mem':>16}  loss",
+    ]
+    for r in rows_c:
+        head = f"{r.get('trainer', '-'):7} {r.get('arm', '-'):9}"
+        if "error" in r:
+            lines.append(f"{head} {'not run' if r['error'].startswith('not run') else 'failed'}: {r['error'][:90]}")
+            continue
+        nan = float("nan")
+        lines.append(
+            f"{head} {r['s']:>8.3f} {r['tok_s']:>9.0f} {r['peak_gib']:>9.2f} {r.get('patched_time', nan):>17.2f}"
+            f" {r.get('patched_mem', nan):>16.2f}  {' '.join(r.get('losses', [])) or '-'}"
+        )
+    return [*lines, "targets (reported, not checked):", *(f"  {t}" for t in targets(rows_c))]
+
+
+def render(info: dict, rows_a: list[dict], rows_b: list[dict], rows_c: list[dict] = ()) -> str:
     s = info["size"]
     lines = [
         f"(a) DPO head loss, bf16, V={s['V']:,} H={s['H']:,} B={s['B']} L={s['L']:,} on {info['device_name']} "
@@ -364,6 +493,8 @@ def render(info: dict, rows_a: list[dict], rows_b: list[dict]) -> str:
                 f"{head} {r.get('params', '-'):>6} {r.get('differing', '-'):>9} "
                 f"{r.get('max_abs_diff', float('nan')):>11.3e}  {r.get('loss_class')}"
             )
+    if rows_c:
+        lines += render_c(info, rows_c)
     return "\n".join(lines)
 
 
@@ -371,7 +502,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: the same code paths, for the tests")
     ap.add_argument("--out", default=None, help="folder for gpu_check.json and logs (default: a temporary folder)")
-    ap.add_argument("--parts", default="a,b")
+    ap.add_argument("--parts", default="a,b,c")
+    ap.add_argument("--budget", type=float, default=None, help="seconds in all; (c) starts no launch after (GPU 460)")
+    ap.add_argument("--timeout-c", type=float, default=None, help="seconds per step launch (GPU 150, CPU 600)")
+    ap.add_argument("--reps-c", type=int, default=2, help="(c): measured steps per launch, after one warm-up")
+    ap.add_argument("--step-length", type=int, default=None, help="(c): sequence length (GPU 4096, CPU smoke 32)")
     ap.add_argument("--reps", type=int, default=None, help="timed steps per arm (default 5 on GPU, 2 on CPU)")
     ap.add_argument("--timeout-a", type=float, default=None, help="seconds for part (a) (GPU 240, CPU 900)")
     ap.add_argument("--timeout-b", type=float, default=None, help="seconds per DDP launch (GPU 240, CPU 900)")
@@ -387,6 +522,8 @@ def main(argv=None) -> int:
     args.reps = args.reps or (2 if args.cpu_smoke else 5)
     args.timeout_a = args.timeout_a or (900 if args.cpu_smoke else 240)  # GPU: (b) + (a) inside 8 minutes
     args.timeout_b = args.timeout_b or (900 if args.cpu_smoke else 240)
+    args.timeout_c = args.timeout_c or (600 if args.cpu_smoke else 150)
+    args.budget = args.budget or (3600 if args.cpu_smoke else 460)  # the GPU check's 8 minutes, less the set-up
     size = SMOKE_SIZE if args.cpu_smoke else GPU_SIZE
     if args.part_a:
         part_a(args.device, size, args.reps, Path(args.part_a))
@@ -409,12 +546,20 @@ def main(argv=None) -> int:
     rows_b = run_part_b(args, paths, out) if "b" in parts else []
     info["seconds_b"] = round(time.monotonic() - started, 1)
     rows_a = run_part_a(args, paths, out) if "a" in parts else [{}]
+    info["seconds_a"] = round(time.monotonic() - started - info["seconds_b"], 1)
+    step = dict(SMOKE_STEP if args.cpu_smoke else GPU_STEP, prompt=STEP_PROMPT)
+    step["L"] = args.step_length or step["L"]
+    info["step"] = step
+    rows_c = run_part_c(args, paths, out, started + args.budget) if "c" in parts else []
     info["seconds"] = round(time.monotonic() - started, 1)
-    report = render(info, rows_a, rows_b)
-    (out / "gpu_check.json").write_text(json.dumps(dict(info=info, a=rows_a, b=rows_b), indent=1))
+    report = render(info, rows_a, rows_b, rows_c)
+    slim_c = [{k: v for k, v in r.items() if k != "run"} for r in rows_c]
+    (out / "gpu_check.json").write_text(json.dumps(dict(info=info, a=rows_a, b=rows_b, c=slim_c), indent=1))
     print(report)
-    print(f"\n{info['seconds']:.0f} s in all (part b {info['seconds_b']:.0f} s); JSON and logs in {out}")
-    bad = check_rows(rows_a, rows_b, args.reps, parts)
+    print(f"\n{info['seconds']:.0f} s in all (part b {info['seconds_b']:.0f} s, a {info['seconds_a']:.0f} s); "
+          f"JSON and logs in {out}")  # fmt: skip
+    trainers = SMOKE_STEP_TRAINERS if args.cpu_smoke else STEP_TRAINERS
+    bad = check_rows(rows_a, rows_b, args.reps, parts, rows_c, args.reps_c, trainers)
     print("\n".join(["", f"FAILED ({len(bad)}):", *bad]) if bad else "\nall rows pass")
     return 1 if bad else 0
 

@@ -36,6 +36,7 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "(a) DPO head loss" in proc.stdout and "(b) DDP" in proc.stdout, proc.stdout
+    assert "(c) one whole DDP training step" in proc.stdout and "kto     patched" in proc.stdout, proc.stdout
     assert "all rows pass" in proc.stdout, proc.stdout[-3000:]
     assert not (tmp_path / "ddp-1.12.0-patched" / "stale-from-an-earlier-run").exists()
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -43,7 +44,11 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
 
 
 def check_rows_strict(report):
-    return gpu_check.check_rows(report["a"], report["b"], reps=2)
+    c = report.get("c")
+    if c is None:
+        return gpu_check.check_rows(report["a"], report["b"], reps=2)
+    trainers = tuple(dict.fromkeys(r["trainer"] for r in c))
+    return gpu_check.check_rows(report["a"], report["b"], 2, ("a", "b", "c"), c, 2, trainers)
 
 
 def _passing_report():
@@ -61,7 +66,12 @@ def _passing_report():
                 dict(trl=version, trainer=trainer, run="patched", params=25, differing=0, max_abs_diff=0.0,
                      loss_class="ChunkedDPOLoss")
             )  # fmt: skip
-    return dict(a=rows_a, b=rows_b)
+    rows_c = [
+        dict(trainer=t, arm=a, s=1.0, tok_s=100.0, peak_gib=2.0, steps=[1.0], times=[[3, 1, 1], [3, 1, 1]],
+             losses=["ChunkedDPOLoss"] if a == "patched" else [])
+        for t in gpu_check.STEP_TRAINERS for a in gpu_check.STEP_ARMS
+    ]  # fmt: skip
+    return dict(a=rows_a, b=rows_b, c=rows_c)
 
 
 @pytest.mark.parametrize(
@@ -74,10 +84,16 @@ def _passing_report():
         "ours_long took two passes",
         "arm missing",
         "no desync unpatched",
+        "step: patched failed",
+        "step: patched ran Liger's loss",
+        "step: an arm missing",
+        "step: one measured step",
+        "step: an arm failed silently",
     ],
 )
 def test_check_rows_fails_each_broken_row(breakage):
-    """The shared row checks pass a good report and catch each way a row can be wrong (so gpu_check exits 1)."""
+    """The shared row checks pass a good report and catch each way a row can be wrong (so gpu_check exits 1); an
+    arm other than patched that failed with a reason (e.g. Liger-off out of memory) is a result, not a failure."""
     report = _passing_report()
     assert check_rows_strict(report) == []
     a, b = report["a"], report["b"]
@@ -92,9 +108,31 @@ def test_check_rows_fails_each_broken_row(breakage):
         next(r for r in a if r["arm"] == breakage.split()[0])["grad_fn"] = "AddBackward0"
     elif breakage == "arm missing":
         a.pop()
+    elif breakage.startswith("step"):
+        c = report["c"]
+        patched = next(r for r in c if r["arm"] == "patched")
+        if breakage == "step: patched failed":
+            patched["error"] = "OutOfMemoryError: CUDA out of memory"
+        elif breakage == "step: patched ran Liger's loss":
+            patched["losses"] = ["LigerFusedLinearDPOLoss"]
+        elif breakage == "step: an arm missing":
+            c.pop()
+        elif breakage == "step: one measured step":
+            patched["times"][1] = [3, 1]
+        else:
+            next(r for r in c if r["arm"] == "off")["error"] = ""
     else:
         next(r for r in b if r["run"] == "unpatched")["differing"] = 0
     assert check_rows_strict(report), breakage
+
+
+def test_check_rows_accepts_an_arm_that_ran_out_of_memory():
+    report = _passing_report()
+    off = next(r for r in report["c"] if r["arm"] == "off")
+    off.clear()
+    off.update(trainer="dpo", arm="off", error="OutOfMemoryError: CUDA out of memory. Tried to allocate 9.3 GiB")
+    assert check_rows_strict(report) == []
+    assert any("dpo patched/off: no ratio (OutOfMemoryError" in line for line in gpu_check.targets(report["c"]))
 
 
 def _fake_wheel(folder: Path, name: str, version: str) -> Path:

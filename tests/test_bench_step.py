@@ -1,0 +1,108 @@
+"""benchmarks/bench_step.py: its smallest configuration runs, and its bookkeeping (estimates, ratios, verdicts,
+rows that did not run) says what happened.  The numbers themselves come from running the benchmark, not from here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench_step.py"
+sys.path.insert(0, str(SCRIPT.parent))
+
+import bench_step  # noqa: E402
+
+GIB = bench_step.GIB
+
+
+def _run(tmp_path, *extra, timeout=600):
+    out = tmp_path / "step.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--json", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+@pytest.mark.ddp
+def test_smallest_configuration_runs_patched_and_liger_off(tmp_path):
+    """DPO, V=512, L=32, two 2-rank launches (~2 x 20 s, almost all start-up): each arm times a warm-up and two
+    steps on both ranks, the patched arm trains through our loss, Liger-off through none, and the table row holds
+    both arms and their ratio."""
+    stdout, report = _run(tmp_path, "--trainers", "dpo", "--arms", "patched,off")
+    runs = {r["arm"]: r for r in report["runs"]}
+    assert set(runs) == {"patched", "off"}
+    for arm, r in runs.items():
+        assert "error" not in r, (arm, r.get("error"), r.get("log_tail"))
+        assert len(r["ranks"]) == 2 and all(len(rank["times"]) == 3 for rank in r["ranks"]), r["ranks"]
+        assert all(rank["peak"] >= rank["base"] > 0 for rank in r["ranks"])
+        assert all(len(rank["cpu"]) == 3 and min(rank["cpu"]) > 0 for rank in r["ranks"])
+    assert runs["patched"]["ranks"][0]["losses"] == ["ChunkedDPOLoss"]
+    assert runs["off"]["ranks"][0]["losses"] == []
+    (row,) = report["table"]
+    assert row["tokens"] == 2 * 2 * 32 and row["ratios"]["time/off"] > 0
+    assert "| DPO | fp32 | 50% | 32 | 128 |" in stdout, stdout
+
+
+def test_rows_over_the_memory_limit_are_reported_not_launched(tmp_path):
+    """A memory limit below any estimate: nothing launches (seconds), and every arm's row says why, with the
+    estimate, in the table and in the JSON."""
+    stdout, report = _run(tmp_path, "--mem-limit-gib", "0.01", "--trainers", "dpo,kto", timeout=120)
+    assert len(report["runs"]) == 2 * len(bench_step.ARMS)
+    for r in report["runs"]:
+        assert r["error"].startswith("not run here: memory (estimated") and "ranks" not in r, r
+    assert stdout.count("* DPO fp32 50% L=32 ") == len(bench_step.ARMS), stdout  # the notes under the table
+    assert "| DPO | fp32 | 50% | 32 | 128 | not run |" in stdout
+
+
+def _launch(arm, L, peak, base=1 * GIB, times=(9.0, 2.0, 4.0), slower_rank=(9.0, 3.0, 3.0)):
+    ranks = [dict(times=list(times), cpu=[t / 2 for t in times], base=base, peak=peak, losses=[], world=2, seqs=2),
+             dict(times=list(slower_rank), cpu=[1.0] * 3, base=base, peak=peak - 1, losses=[], world=2,
+                  seqs=2)]  # fmt: skip
+    return dict(arm=arm, trainer="dpo", dtype="fp32", prompt=0.5, L=L, ranks=ranks, warmup=1)
+
+
+def test_summary_takes_the_slower_rank_per_step_after_the_warm_up():
+    s = bench_step.summarise("patched", [_launch("patched", 512, peak=3 * GIB)])
+    assert s["steps"] == [3.5]  # per step max over ranks: 3.0, 4.0; warm-up (9.0) dropped; median 3.5
+    assert s["tokens"] == 2 * 2 * 512 and s["tok_s"] == pytest.approx(2048 / 3.5)
+    assert s["peak_gib"] == pytest.approx(3.0)  # the larger rank's high-water mark
+    assert s["cpu_s"] == pytest.approx(1.5)  # the larger rank's median CPU seconds after the warm-up: 1.0 and 2.0
+    assert bench_step.summarise("off", [dict(error="crashed (exit [1]): boom")]) == {
+        "error": "crashed (exit [1]): boom"
+    }
+
+
+def test_ratios_and_targets_per_row():
+    runs = {"patched": [_launch("patched", 2048, 3 * GIB)], "off": [_launch("off", 2048, 7 * GIB, times=(1, 4, 4))]}
+    row = dict(L=2048, ratios={"time/off": bench_step.ratios(runs, "patched", "off", "s"),
+                               "mem/off": bench_step.ratios(runs, "patched", "off", "peak_gib")})  # fmt: skip
+    assert row["ratios"]["time/off"] == pytest.approx(3.5 / 4) and row["ratios"]["mem/off"] == pytest.approx(3 / 7)
+    assert bench_step.verdict(row) == "ok time/off, ? time/trl114, ok mem/off"
+    row["ratios"].update({"time/trl114": 1.05, "mem/off": 0.6})
+    assert bench_step.verdict(row) == "ok time/off, MISS time/trl114, MISS mem/off"
+    row["L"] = 512  # the memory target is for L >= 2048 only
+    assert bench_step.verdict(row) == "ok time/off, MISS time/trl114"
+
+
+def test_memory_estimates_use_what_was_measured():
+    size = bench_step.MODEL
+    cfg = ("dpo", "fp32", 0.5, 2048)
+    by_sizes, how = bench_step.estimate_gib("off", cfg, size, {})
+    assert how.startswith("from sizes") and by_sizes > bench_step.estimate_gib("patched", cfg, size, {})[0]
+    one = {("off", "dpo", "fp32", 0.5, 512): _launch("off", 512, peak=5 * GIB)}
+    est, how = bench_step.estimate_gib("off", cfg, size, one)
+    grow = bench_step._sizes_per_rank("off", "fp32", 2048, size) - bench_step._sizes_per_rank("off", "fp32", 512, size)
+    assert how == "peak at L=512 + logits-sized growth" and est == pytest.approx(2 * (5 * GIB + grow) / GIB)
+    two = {**one, ("off", "dpo", "fp32", 0.5, 128): _launch("off", 128, peak=4 * GIB)}
+    est, how = bench_step.estimate_gib("off", cfg, size, two)  # the line through (128, 4) and (512, 5): 2048 -> 9
+    assert how == "line through the peaks at L=128 and L=512" and est == pytest.approx(2 * 9)
+    assert bench_step.estimate_gib("off", ("dpo", "fp32", 0.5, 128), size, two)[1].startswith("from sizes")
