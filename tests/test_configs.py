@@ -139,7 +139,7 @@ def test_pairs_longer_than_a_chunk_take_the_one_pass_path(launches, config, loss
     configs run it too, with whole pairs per chunk."""
     import torch
 
-    from liger_ddp_patch.losses._core import resolve_token_chunk_size
+    from liger_ddp_patch.losses._kernels import resolve_token_chunk_size
 
     _, patched, _ = launches
     saw = result(patched, config)["loss_saw"]

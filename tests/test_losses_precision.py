@@ -13,7 +13,7 @@ import torch
 from _loss_cases import call_kto, leaf_copies, load_reference
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss, _core
+from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss, _kernels
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -210,7 +210,7 @@ def test_autocast_kto_forward_backward_consistent(token_chunk_size, one_pass):
 
 
 def test_default_chunk_is_a_memory_budget_per_device():
-    r = _core.resolve_token_chunk_size
+    r = _kernels.resolve_token_chunk_size
     assert r(None, 32_000) == 1048  # CPU, fp32: 128 MiB of fp32 logits, as before
     assert r(None, 32_000, device="cpu", compute_dtype=torch.float32) == 1048
     # CPU bf16 without an fp32-output GEMM: fp32 logits + their bf16 GEMM output share the same 128 MiB
@@ -226,7 +226,7 @@ def test_default_chunk_is_a_memory_budget_per_device():
 
 
 def _emulate_fp32_output_gemm(monkeypatch):
-    """Force the accelerator branch on CPU: ``_core._fp32_out`` says yes for half dtypes,
+    """Force the accelerator branch on CPU: ``_kernels.fp32_out`` says yes for half dtypes,
     ``torch.mm/addmm(..., out_dtype=torch.float32)`` run as CUDA's ``aten::mm.dtype``/``addmm.dtype`` do (half
     inputs, fp32 products and accumulation: exact here, a bf16 x bf16 product is exact in fp32; other calls pass
     through), and the softmax takes its non-fused steps (max, exp, sum, a row scale folded in by the caller).
@@ -251,8 +251,8 @@ def _emulate_fp32_output_gemm(monkeypatch):
 
     monkeypatch.setattr(torch, "mm", mm)
     monkeypatch.setattr(torch, "addmm", addmm)
-    monkeypatch.setattr(_core, "_fp32_out", lambda device, dtype: dtype in HALF)
-    monkeypatch.setattr(_core, "fused_log_softmax", lambda device: False)
+    monkeypatch.setattr(_kernels, "fp32_out", lambda device, dtype: dtype in HALF)
+    monkeypatch.setattr(_kernels, "fused_log_softmax", lambda device: False)
     return calls
 
 
@@ -290,7 +290,7 @@ def test_fp32_output_gemm_branch_matches_the_plain_path(monkeypatch, token_chunk
     truth = _loss_and_grads(ChunkedDPOLoss, x, token_chunk_size=token_chunk_size, compute_nll_loss=True)
     plain_path, plain = _step(inputs, token_chunk_size, one_pass, autocast)
     calls = _emulate_fp32_output_gemm(monkeypatch)
-    monkeypatch.setattr(_core, "vocab_block_rows", lambda V, H, budget: block)
+    monkeypatch.setattr(_kernels, "vocab_block_rows", lambda V, H, budget: block)
     fast_path, fast = _step(inputs, token_chunk_size, one_pass, autocast)
     assert plain_path == fast_path == path
     # the branch ran: fp32 logits and grad-input, and an fp32 weight-gradient tile except where the one-pass path

@@ -147,7 +147,7 @@ def _watch_losses(seen: dict) -> object:
             )
             loss = output[0] if isinstance(output, tuple) else output
             seen.setdefault(f"{name} grad_fn", type(getattr(loss, "grad_fn", None)).__name__)
-            core = sys.modules.get("liger_ddp_patch.losses._core")  # (imported by the package, never from here)
+            core = sys.modules.get("liger_ddp_patch.losses._kernels")  # (imported by the package, never from here)
             if core is not None:
                 seen.setdefault(f"{name} logits budget", core.logits_budget_bytes("cpu"))
 
@@ -305,16 +305,16 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
     handle = _watch_losses(seen)
     budgets = None
     if args.logits_budget:  # imported only here: importing the package applies the patch
-        from liger_ddp_patch.losses import _core
+        from liger_ddp_patch.losses import _kernels
 
-        budgets = dict(_core.LOGITS_BUDGET_BYTES)
-        _core.LOGITS_BUDGET_BYTES["cpu"] = args.logits_budget
+        budgets = dict(_kernels.LOGITS_BUDGET_BYTES)
+        _kernels.LOGITS_BUDGET_BYTES["cpu"] = args.logits_budget
     try:
         trainer.train()
     finally:
         handle.remove()
         if budgets is not None:
-            _core.LOGITS_BUDGET_BYTES.update(budgets)
+            _kernels.LOGITS_BUDGET_BYTES.update(budgets)
     result["loss_saw"] = seen
     result["history"] = trainer.state.log_history
     result["evals"] = [h for h in trainer.state.log_history if "eval_loss" in h]
