@@ -44,7 +44,8 @@ def swap(trainer: Any, fused: type | None, spec: TrainerSpec) -> str:
     """Give ``trainer`` our loss in place of its fused one (settings kept); say what happened, for the record.
 
     Called only when the trainer runs under DistributedDataParallel, so every other configuration keeps TRL's own
-    loss object. The fused loss has no ``one_pass`` / ``token_chunk_size``: ``LIGER_DDP_PATCH_LOSS`` sets them. ``fused`` is the class ``spec``'s chunked-loss record checked (``None`` when it is not applied).
+    loss object. ``fused`` is the class ``spec``'s chunked-loss record checked (``None`` when it is not applied). The
+    fused loss has no ``one_pass`` / ``token_chunk_size``: ``LIGER_DDP_PATCH_LOSS`` sets them (read here, at the swap).
     """
     attribute = spec.loss_attribute(trainer)
     if attribute is None:
