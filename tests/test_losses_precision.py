@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _loss_cases import call_kto, leaf_copies, load_reference
+from _loss_cases import call_kto, fp64_dpo_truth, leaf_copies, load_reference
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss, _kernels
@@ -267,6 +267,24 @@ def _step(x, token_chunk_size, one_pass, autocast):
     return path, [loss, metrics[0], metrics[1], x["hidden"].grad, x["weight"].grad, x["bias"].grad]
 
 
+FAST_BOUND = 2**-7
+
+
+@pytest.mark.parametrize(("token_chunk_size", "one_pass"), [(8, False), (8, True), (36, True), (None, True)], ids=str)
+def test_fp32_against_an_fp64_truth(token_chunk_size, one_pass):
+    """fp32 inputs, both paths, chunks that split rows or hold pairs whole: every quantity within 1e-5 of its scale
+    from the fp64 truth (materialised logits, plain autograd, the formula written out in the test).  Measured:
+    up to 2.5e-6 (grad-input); a loss or gradient scaled by 1.01 -- or by 1.0001 -- is off by 1e-2 / 1e-4."""
+    x = _dpo_inputs(torch.float32, w_scale=1.0)
+    truth = fp64_dpo_truth(x, compute_nll_loss=True)
+    ours = _loss_and_grads(
+        ChunkedDPOLoss, x, token_chunk_size=token_chunk_size, one_pass=one_pass, compute_nll_loss=True
+    )
+    for name, o, t in zip(NAMES, ours, truth):
+        err, scale = _max_err(o, t), t.double().abs().max().item()
+        assert err <= 1e-5 * scale, f"{name}: {err / scale:.2e} of the scale from the fp64 truth"
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
 @pytest.mark.parametrize("block", [7, 64, 300], ids=lambda b: f"vblock{b}")
 @pytest.mark.parametrize(
@@ -287,7 +305,7 @@ def test_fp32_output_gemm_branch_matches_the_plain_path(monkeypatch, token_chunk
     x = _rounded(_dpo_inputs(torch.float32, w_scale=1.0), torch.bfloat16)
     half = {k: (v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()}
     inputs = x if autocast else half
-    truth = _loss_and_grads(ChunkedDPOLoss, x, token_chunk_size=token_chunk_size, compute_nll_loss=True)
+    truth = fp64_dpo_truth(x, compute_nll_loss=True)  # not the code under test
     plain_path, plain = _step(inputs, token_chunk_size, one_pass, autocast)
     calls = _emulate_fp32_output_gemm(monkeypatch)
     monkeypatch.setattr(_kernels, "vocab_block_rows", lambda V, H, budget: block)
@@ -300,6 +318,7 @@ def test_fp32_output_gemm_branch_matches_the_plain_path(monkeypatch, token_chunk
     for name, f, p, t in zip(NAMES, fast, plain, truth):
         scale = t.double().abs().max().item()
         e_fp, e_f, e_p = _max_err(f, p), _max_err(f, t), _max_err(p, t)
-        if e_f > 2**-7 * scale or e_fp > 2**-6 * scale or e_f > 1.5 * e_p + 1e-6 * scale:
+        print(f"{name:15s} |fast - truth| {e_f / scale:.2e}  |plain - truth| {e_p / scale:.2e}  of the scale")
+        if e_f > FAST_BOUND * scale or e_fp > 2**-6 * scale or e_f > 1.5 * e_p + 1e-6 * scale:
             bad.append(f"{name}: |fast - plain| {e_fp:.3g}, |fast - truth| {e_f:.3g}, |plain - truth| {e_p:.3g}")
     assert not bad, "\n".join(bad)
