@@ -68,31 +68,33 @@ def _group_grad(run, x, rows):
 @pytest.mark.parametrize("token_chunk_size", [LONG, WHOLE], ids=["long-pairs", "whole-pairs"])
 @pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)  # the code's own list: a new type is tested here too
 def test_a_pairs_gradient_reads_only_its_own_pair(loss_type, token_chunk_size):
-    """Through the loss the code runs (one pass, NLL term on): redraw every other pair's policy and reference hidden
-    states and pair 0's gradient (rows 0 and P) must not move; the batch constants (P, the chosen-token count) are
-    the same.  Coupling pairs (e.g. a term that read the batch mean of the margins) would move it."""
+    """Through the loss the code runs (one pass, NLL term on), for every pair in turn (the one-pass path forms the
+    first pairs' gradients before the later pairs' sums exist, the last ones after): redraw every other pair's policy
+    and reference hidden states and this pair's gradient must not move; the batch constants (P, the chosen-token
+    count) are the same.  Coupling pairs (a term that read the batch mean of the sums) would move it."""
     x = leaf_copies(make_inputs(seed=21, fully_ignored_row=False))
     P = x["target"].shape[0] // 2
-    pair0, others = [0, P], [r for r in range(2 * P) if r not in (0, P)]
 
     def run(inp):
         loss, _ = _dpo_loss(inp, loss_type, token_chunk_size=token_chunk_size, compute_nll_loss=True)
         assert _path(loss) == "one-pass"
         return loss
 
-    loss, base = _group_grad(run, x, pair0)
-    assert base.abs().sum() > 0 or loss_type == "hinge"
     g = torch.Generator().manual_seed(5)
-    for _ in range(2):
-        moved_loss, grad = _group_grad(run, _moved(x, others, g), pair0)
+    for pair in range(P):
+        rows = [pair, pair + P]
+        loss, base = _group_grad(run, leaf_copies(x), rows)
+        assert base.abs().sum() > 0 or loss_type == "hinge"
+        moved_loss, grad = _group_grad(run, _moved(x, [r for r in range(2 * P) if r not in rows], g), rows)
         assert not torch.isclose(moved_loss, loss), "the other pairs did not move"
-        torch.testing.assert_close(grad, base, rtol=1e-5, atol=1e-7, msg=f"{loss_type}: pair 0 moved with the others")
+        torch.testing.assert_close(grad, base, rtol=1e-5, atol=1e-7, msg=f"{loss_type}: pair {pair} moved")
 
 
 @pytest.mark.parametrize("token_chunk_size", [4, 13], ids=["long-rows", "whole-rows"])
 @pytest.mark.parametrize("kl", [None, 0.3], ids=["no-kl", "kl"])
 def test_a_kto_rows_gradient_reads_only_its_own_row(token_chunk_size, kl):
-    """KTO's twin: redraw every other row's hidden states and flip their labels; row 0's gradient must not move."""
+    """KTO's twin, for every row in turn: redraw every other row's hidden states and flip their labels; this row's
+    gradient must not move."""
     x = leaf_copies(make_inputs(seed=22, fully_ignored_row=False))
     B = x["target"].shape[0]
     labels = torch.tensor([True, False] * (B // 2))
@@ -103,13 +105,16 @@ def test_a_kto_rows_gradient_reads_only_its_own_row(token_chunk_size, kl):
         assert _path(loss) == "one-pass"
         return loss
 
-    loss, base = _group_grad(run, x, [0])
-    assert base.abs().sum() > 0
-    flipped = labels.clone()
-    flipped[1:] = ~flipped[1:]
-    moved_loss, grad = _group_grad(lambda inp: run(inp, flipped), _moved(x, list(range(1, B)), torch.Generator()), [0])
-    assert not torch.isclose(moved_loss, loss)
-    torch.testing.assert_close(grad, base, rtol=1e-5, atol=1e-7, msg="row 0 moved with the others")
+    g = torch.Generator().manual_seed(6)
+    for row in range(B):
+        loss, base = _group_grad(run, leaf_copies(x), [row])
+        assert base.abs().sum() > 0
+        others = [r for r in range(B) if r != row]
+        flipped = labels.clone()
+        flipped[others] = ~flipped[others]
+        moved_loss, grad = _group_grad(lambda inp, lab=flipped: run(inp, lab), _moved(x, others, g), [row])
+        assert not torch.isclose(moved_loss, loss)
+        torch.testing.assert_close(grad, base, rtol=1e-5, atol=1e-7, msg=f"row {row} moved with the others")
 
 
 class _SoftplusOfSums(ChunkedLinearLoss):
