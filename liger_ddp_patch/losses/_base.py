@@ -110,7 +110,7 @@ class ChunkedLinearLoss(torch.nn.Module):
         :attr:`last_path` / :attr:`last_chunk`."""
         sel = _kernels.select_tokens(hidden, target, self.ignore_index)
         plan = Plan.of(hidden, weight, self.token_chunk_size)
-        path, loss_of = self._path(hidden, weight, bias, target, sel, batch)
+        path, loss_of = self._path(needs_grad(hidden, weight, bias), sel, batch)
         self.last_path, self.last_chunk = path, plan.chunk
         if path == ONE_PASS:
             schedule = _onepass.group_chunks(sel.rows, loss_of.group_of_row, sel.counts, plan.chunk)
@@ -119,16 +119,14 @@ class ChunkedLinearLoss(torch.nn.Module):
         sums = _kernels.sequence_sums(_twopass.selected_logprobs(sel, weight, bias, plan), sel.rows, target.shape[0])
         return loss_of(sums), sums.detach(), sel.counts
 
-    def _path(self, hidden, weight, bias, target, sel, batch):
-        if type(self).batch_loss is not ChunkedLinearLoss.batch_loss:
-
-            def whole(sums):
-                return self.batch_loss(sums, sel.counts, batch)
-
-            grad = needs_grad(hidden, weight, bias)
-            return (f"{TWO_PASS}: {NOT_A_SUM}" if grad else NO_GRAD), whole
-        group_ids = self.group_of_row(target.shape[0], target.device)
-        loss_of = GroupedLoss(self.group_loss, group_ids, sel.counts, batch)
-        if not needs_grad(hidden, weight, bias):
+    def _path(self, grad: bool, sel, batch):
+        """``(the path, the loss as a function of the per-row sums)``."""
+        if type(self).batch_loss is not ChunkedLinearLoss.batch_loss:  # a whole-batch loss: never one pass
+            return (f"{TWO_PASS}: {NOT_A_SUM}" if grad else NO_GRAD), lambda sums: self.batch_loss(
+                sums, sel.counts, batch
+            )
+        group_of_row = self.group_of_row(sel.counts.shape[0], sel.counts.device)
+        loss_of = GroupedLoss(self.group_loss, group_of_row, sel.counts, batch)
+        if not grad:
             return NO_GRAD, loss_of
         return (ONE_PASS if self.one_pass else f"{TWO_PASS}: one_pass=False"), loss_of
