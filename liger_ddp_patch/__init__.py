@@ -12,9 +12,10 @@ from __future__ import annotations
 import sys
 
 from . import settings as _settings
-from .engine import Engine, PatchError, Status
+from .engine import APPLIED, PENDING, Engine, PatchError, Status
 from .patches import NAMES as _NAMES
 from .patches import PATCHES as _PATCHES
+from .patches.trainers import SPECS as _SPECS
 
 __all__ = [
     "GradientDesyncError",
@@ -29,6 +30,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 _engine = Engine(_PATCHES, _settings.read(_NAMES))
+_LOSS_SWAPS = frozenset(spec.chunked_loss_patch for spec in _SPECS)
 
 
 def report(resolve: bool = False) -> list[Status]:
@@ -39,7 +41,11 @@ def report(resolve: bool = False) -> list[Status]:
     """
     if resolve:
         _engine.resolve_pending()
-    return _engine.report()
+    rows, loss = _engine.report(), _settings.loss_options()
+    for row in rows:  # the options the DDP swap will give our loss (LIGER_DDP_PATCH_LOSS)
+        if row.name in _LOSS_SWAPS and row.status in (APPLIED, PENDING):
+            row.reason += f"; loss options ({_settings.LOSS}): {loss.describe()}"
+    return rows
 
 
 def unpatch() -> None:

@@ -6,6 +6,7 @@ that says what was expected and falls back to the default.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -14,6 +15,7 @@ from typing import NamedTuple
 DISABLE = "LIGER_DDP_PATCH_DISABLE"
 VERIFY = "LIGER_DDP_PATCH_VERIFY"
 STRICT = "LIGER_DDP_PATCH_STRICT"
+LOSS = "LIGER_DDP_PATCH_LOSS"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -23,11 +25,28 @@ class SettingsWarning(UserWarning):
     """A liger_ddp_patch environment variable had a value we could not use."""
 
 
+class LossOptions(NamedTuple):
+    """What ``LIGER_DDP_PATCH_LOSS`` sets on the chunked losses the DDP swap builds (``None``: the loss's default)."""
+
+    one_pass: bool | None = None
+    token_chunk_size: int | None = None
+
+    def overrides(self) -> dict:
+        """The keyword arguments of ``ChunkedDPOLoss`` / ``ChunkedKTOLoss`` that the variable sets."""
+        return {k: v for k, v in self._asdict().items() if v is not None}
+
+    def describe(self) -> str:
+        one_pass = "1 (default)" if self.one_pass is None else str(int(self.one_pass))
+        chunk = "auto (default)" if self.token_chunk_size is None else str(self.token_chunk_size)
+        return f"one_pass={one_pass}, token_chunk_size={chunk}"
+
+
 class Settings(NamedTuple):
     disable_all: bool = False
     disabled: frozenset[str] = frozenset()
     verify_every: int = 0  # 0: no runtime gradient-sync check
     strict: bool = False
+    loss: LossOptions = LossOptions()
 
     def is_disabled(self, name: str) -> bool:
         return self.disable_all or name in self.disabled
@@ -99,6 +118,40 @@ def _parse_disable(raw: str, known: frozenset[str]) -> tuple[bool, frozenset[str
     return False, frozenset(names & known)
 
 
+_LOSS_USAGE = (
+    f"expected comma-separated key=value: one_pass=0|1 (0: the two-pass loss, no gradient held from the forward to "
+    f"the backward), token_chunk_size=<positive integer> (loss tokens per chunk), e.g. "
+    f"{LOSS}=one_pass=0,token_chunk_size=1024"
+)
+
+
+@functools.lru_cache(maxsize=8)
+def parse_loss(raw: str) -> LossOptions:
+    """``LIGER_DDP_PATCH_LOSS``'s value; each malformed or unknown key warns once and keeps its default."""
+    options: dict = {}
+    for part in (p.strip() for p in raw.split(",")):
+        if not part:
+            continue
+        key, sep, value = (x.strip() for x in part.partition("="))
+        key = key.lower()
+        if not sep or key not in LossOptions._fields:
+            _warn(f"{LOSS}={raw!r}: {part!r} is not a known key=value; {_LOSS_USAGE}. Ignoring {part!r}.")
+        elif key == "one_pass" and value.lower() in _TRUE | _FALSE - {""}:
+            options[key] = value.lower() in _TRUE
+        elif key == "token_chunk_size" and value.isdigit() and int(value) > 0:
+            options[key] = int(value)
+        else:
+            _warn(f"{LOSS}={raw!r}: {key}={value!r} is not valid; {_LOSS_USAGE}. Using the default for {key}.")
+    return LossOptions(**options)
+
+
+def loss_options(environ: dict[str, str] | None = None) -> LossOptions:
+    """The loss options from the environment (``os.environ`` unless given), parsed (and warned about) once per
+    distinct value: the DDP swap reads them when it builds a loss, ``status`` when it reports."""
+    env = os.environ if environ is None else environ
+    return parse_loss(env.get(LOSS, "").strip())
+
+
 def read(known_patches: frozenset[str], environ: dict[str, str] | None = None) -> Settings:
     """Build the settings from the environment (``os.environ`` unless given)."""
     env = os.environ if environ is None else environ
@@ -108,4 +161,5 @@ def read(known_patches: frozenset[str], environ: dict[str, str] | None = None) -
         disabled=disabled,
         verify_every=_parse_verify(env.get(VERIFY, "")),
         strict=_parse_bool(STRICT, env.get(STRICT, "")),
+        loss=loss_options(env),
     )

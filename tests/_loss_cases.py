@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 
 import torch
+import torch.nn.functional as F
 
-DPO_LOSS_TYPES = (
-    "sigmoid",
-    "hinge",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-)
+from liger_ddp_patch.losses.dpo import SUPPORTED_DPO_LOSS_TYPES
+
+# Every type the code supports (not a hand-copied list): a new type is held to Liger and to the per-pair tests.
+DPO_LOSS_TYPES = SUPPORTED_DPO_LOSS_TYPES
 
 # Small but awkward: odd sequence length, V not a multiple of anything, H small.
 B_PAIRS, L, H, V = 3, 13, 16, 37
@@ -80,16 +75,63 @@ def leaf_copies(inp):
     return out
 
 
+REFERENCES = {
+    ("dpo", "liger"): ("liger_kernel.chunked_loss", "LigerFusedLinearDPOLoss"),
+    ("kto", "liger"): ("liger_kernel.chunked_loss", "LigerFusedLinearKTOLoss"),
+    ("dpo", "trl113"): ("trl.losses", "FusedLinearDPOLoss"),
+    ("kto", "trl113"): ("trl.losses", "FusedLinearKTOLoss"),
+}
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
 def load_reference(kind: str, which: str):
-    """Reference loss class: kind in {'dpo', 'kto'}, which in {'liger', 'trl113'}; None when unavailable."""
-    try:
-        if which == "liger":
-            mod = importlib.import_module("liger_kernel.chunked_loss")
-            return getattr(mod, "LigerFusedLinearDPOLoss" if kind == "dpo" else "LigerFusedLinearKTOLoss")
-        mod = importlib.import_module("trl.losses")
-        return getattr(mod, "FusedLinearDPOLoss" if kind == "dpo" else "FusedLinearKTOLoss")
-    except Exception:  # not installed / older TRL without trl.losses
+    """Reference loss class: kind in {'dpo', 'kto'}, which in {'liger', 'trl113'}; None when it is not installed
+    (TRL before 1.13 has no ``trl.losses``).  An installed package whose import breaks raises (the parity tests fail
+    instead of skipping), and so does a missing liger-kernel under CI (``CI=true``), which installs it."""
+    module, name = REFERENCES[(kind, which)]
+    top = module.partition(".")[0]
+    if importlib.util.find_spec(top) is None:
+        if which == "liger" and in_ci():
+            raise RuntimeError("liger-kernel is not installed, but CI installs it (.[test]): the parity tests need it")
         return None
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:  # the package is there, the module is not: a release without it
+            return None
+        raise
+
+
+def fp64_dpo_truth(x, beta=0.1, compute_nll_loss=False, alpha=1.0, ignore_index=IGNORE):
+    """``[loss, chosen_logps, rejected_logps, grad_hidden, grad_weight, grad_bias]`` of sigmoid DPO with a reference
+    model (+ NLL) on materialised fp64 logits with plain autograd: the formula written out here, independently of the
+    package, so a systematic error in the code under test cannot cancel out."""
+    d = {k: (v.detach().double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()}
+    for k in ("hidden", "weight", "bias"):
+        if d[k] is not None:
+            d[k].requires_grad_(True)
+    target = d["target"]
+    mask = target != ignore_index
+
+    def token_logps(h, w, b):
+        logits = h @ w.t() + (0 if b is None else b)
+        lp = logits.log_softmax(-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return torch.where(mask, lp, torch.zeros_like(lp))
+
+    tok = token_logps(d["hidden"], d["weight"], d["bias"])
+    with torch.no_grad():
+        ref = token_logps(d["ref_hidden"], d["ref_weight"], d["ref_bias"]).sum(-1)
+    seq, P = tok.sum(-1), target.shape[0] // 2
+    margin = beta * ((seq[:P] - ref[:P]) - (seq[P:] - ref[P:]))
+    loss = -F.logsigmoid(margin).mean()
+    if compute_nll_loss:
+        loss = loss - alpha * tok[:P].sum() / mask[:P].sum()
+    loss.backward()
+    grads = [None if d[k] is None else d[k].grad for k in ("hidden", "weight", "bias")]
+    return [loss.detach(), seq[:P].detach(), seq[P:].detach(), *grads]
 
 
 def close(a, b, rtol, atol):

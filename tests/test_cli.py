@@ -89,3 +89,19 @@ def test_demo_prints_the_before_after_table():
     assert [row[1] for row in rows] == ["unpatched", "patched"]
     assert int(rows[0][3]) > 0 and rows[1][2:5] == ["25", "0", "0.000e+00"]  # every parameter counted
     assert "gradients in sync when patched" in proc.stdout
+
+
+def test_status_shows_the_loss_options_and_says_what_is_wrong_with_them():
+    """``LIGER_DDP_PATCH_LOSS``: the options the DDP swap will use, on the two chunked-loss rows (text and JSON); a bad
+    value warns with what to write instead and falls back to the default."""
+    proc = cli("status", env={"LIGER_DDP_PATCH_LOSS": "one_pass=0,token_chunk_size=512"})
+    lines = [line for line in proc.stdout.splitlines() if "LIGER_DDP_PATCH_LOSS" in line]
+    assert [line.split()[0] for line in lines] == ["dpo_chunked_loss", "kto_chunked_loss"], proc.stdout
+    assert all(line.endswith("loss options (LIGER_DDP_PATCH_LOSS): one_pass=0, token_chunk_size=512") for line in lines)
+    proc = cli("status", "--json", env={"LIGER_DDP_PATCH_LOSS": "token_chunk_size=-1"})
+    rows = {row["name"]: row for row in json.loads(proc.stdout)}
+    assert rows["dpo_chunked_loss"]["reason"].endswith("one_pass=1 (default), token_chunk_size=auto (default)")
+    assert "SettingsWarning: LIGER_DDP_PATCH_LOSS='token_chunk_size=-1': token_chunk_size='-1' is not valid" in (
+        proc.stderr
+    )
+    assert proc.returncode == 0

@@ -1,7 +1,10 @@
 """The one-pass path of the chunked losses (``liger_ddp_patch/losses/_onepass.py``) beyond plain parity.
 
-* which DPO loss types may take it (a loss that coupled pairs could not) and that they do, pairs longer than a
-  token chunk included (``one_pass=False`` forces the two-pass path);
+* the per-group interface (``_base``): every DPO loss type the code supports and KTO give a group's gradient that
+  does not move when every other group's inputs move; a loss that couples groups cannot be written as per-group
+  terms, and one written as a whole-batch loss takes the two-pass path, with the reason;
+* every supported DPO loss type takes the one-pass path, pairs longer than a token chunk included
+  (``one_pass=False`` forces the two-pass path);
 * ``grad_output`` other than 1, a loss called twice before one backward, ``retain_graph``, accumulation into an
   existing ``.grad`` -- all equal to the two-pass path, with whole pairs per chunk and with pairs longer than a
   chunk; double backward raises a clear error;
@@ -19,8 +22,8 @@ from _loss_cases import DPO_LOSS_TYPES, IGNORE, call_kto, leaf_copies, make_inpu
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss
+from liger_ddp_patch.losses._base import ChunkedLinearLoss
 from liger_ddp_patch.losses._onepass import group_chunks
-from liger_ddp_patch.losses.dpo import ONE_PASS_DPO_LOSS_TYPES, dpo_preference_loss
 
 LONG, WHOLE = 4, 26  # token chunks: every pair longer than a chunk / whole pairs of L=13 per chunk
 SMOOTHING = {"exo_pair": 1e-3, "robust": 0.1}
@@ -48,30 +51,128 @@ def _assert_close(got, want, rtol=1e-5, what=""):
 # ----------------------------------------------------------------------------------------- which loss types
 
 
-@pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
-def test_every_one_pass_loss_type_is_pair_separable(loss_type):
-    """The one-pass path needs d loss / d logp of pair i to depend on pair i alone: move every other pair's
-    log-probs (and the batch's other reference values) and pair 0's derivative must not change."""
-    assert loss_type in ONE_PASS_DPO_LOSS_TYPES
-    g = torch.Generator().manual_seed(DPO_LOSS_TYPES.index(loss_type))
-    P = 5
-    ref = torch.randn(2 * P, generator=g) * 3
+def _moved(x, rows, g):
+    """``x`` with the hidden states (policy and reference) of ``rows`` redrawn, larger."""
+    y = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in x.items()}
+    for k in ("hidden", "ref_hidden"):
+        y[k][rows] = torch.randn(y[k][rows].shape, generator=g) * 3
+    return leaf_copies(y)
 
-    def d_pair0(seq):
-        seq = seq.clone().requires_grad_(True)
-        loss = dpo_preference_loss(
-            seq[:P], seq[P:], ref[:P], ref[P:], P, 0.2, loss_type, SMOOTHING.get(loss_type, 0.0), 0.05
-        )[0]
-        (grad,) = torch.autograd.grad(loss, seq)
-        return grad[[0, P]]
 
-    seq = torch.randn(2 * P, generator=g) * 3
-    base = d_pair0(seq)
-    assert base.abs().sum() > 0 or loss_type == "hinge"
-    for _ in range(3):
-        moved = seq + torch.randn(2 * P, generator=g) * 5
-        moved[[0, P]] = seq[[0, P]]
-        assert torch.equal(d_pair0(moved), base), loss_type
+def _group_grad(run, x, rows):
+    loss = run(x)
+    loss.backward()
+    return loss, x["hidden"].grad[rows].clone()
+
+
+@pytest.mark.parametrize("token_chunk_size", [LONG, WHOLE], ids=["long-pairs", "whole-pairs"])
+@pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)  # the code's own list: a new type is tested here too
+def test_a_pairs_gradient_reads_only_its_own_pair(loss_type, token_chunk_size):
+    """Through the loss the code runs (one pass, NLL term on), for every pair in turn (the one-pass path forms the
+    first pairs' gradients before the later pairs' sums exist, the last ones after): redraw every other pair's policy
+    and reference hidden states and this pair's gradient must not move; the batch constants (P, the chosen-token
+    count) are the same.  Coupling pairs (a term that read the batch mean of the sums) would move it."""
+    x = leaf_copies(make_inputs(seed=21, fully_ignored_row=False))
+    P = x["target"].shape[0] // 2
+
+    def run(inp):
+        loss, _ = _dpo_loss(inp, loss_type, token_chunk_size=token_chunk_size, compute_nll_loss=True)
+        assert _path(loss) == "one-pass"
+        return loss
+
+    g = torch.Generator().manual_seed(5)
+    for pair in range(P):
+        rows = [pair, pair + P]
+        loss, base = _group_grad(run, leaf_copies(x), rows)
+        assert base.abs().sum() > 0 or loss_type == "hinge"
+        moved_loss, grad = _group_grad(run, _moved(x, [r for r in range(2 * P) if r not in rows], g), rows)
+        assert not torch.isclose(moved_loss, loss), "the other pairs did not move"
+        torch.testing.assert_close(grad, base, rtol=1e-5, atol=1e-7, msg=f"{loss_type}: pair {pair} moved")
+
+
+@pytest.mark.parametrize("token_chunk_size", [4, 13], ids=["long-rows", "whole-rows"])
+@pytest.mark.parametrize("kl", [None, 0.3], ids=["no-kl", "kl"])
+def test_a_kto_rows_gradient_reads_only_its_own_row(token_chunk_size, kl):
+    """KTO's twin, for every row in turn: redraw every other row's hidden states and flip their labels; this row's
+    gradient must not move."""
+    x = leaf_copies(make_inputs(seed=22, fully_ignored_row=False))
+    B = x["target"].shape[0]
+    labels = torch.tensor([True, False] * (B // 2))
+
+    def run(inp, lab=labels):
+        fn = ChunkedKTOLoss(use_ref_model=True, token_chunk_size=token_chunk_size, beta=0.5)
+        loss, _ = call_kto(fn, inp, lab, None if kl is None else torch.tensor(kl))
+        assert _path(loss) == "one-pass"
+        return loss
+
+    g = torch.Generator().manual_seed(6)
+    for row in range(B):
+        loss, base = _group_grad(run, leaf_copies(x), [row])
+        assert base.abs().sum() > 0
+        others = [r for r in range(B) if r != row]
+        flipped = labels.clone()
+        flipped[others] = ~flipped[others]
+        moved_loss, grad = _group_grad(lambda inp, lab=flipped: run(inp, lab), _moved(x, others, g), [row])
+        assert not torch.isclose(moved_loss, loss)
+        torch.testing.assert_close(grad, base, rtol=1e-5, atol=1e-7, msg=f"row {row} moved with the others")
+
+
+class _SoftplusOfSums(ChunkedLinearLoss):
+    """A toy loss on per-row sums ``S``: ``softplus(S - mean(S))`` summed, written per pair (``group_loss``: the
+    mean over the pair's rows)."""
+
+    def __init__(self, token_chunk_size):
+        super().__init__(IGNORE, 0.1, False, False, False, 1, token_chunk_size)
+
+    def group_of_row(self, batch_size, device):
+        return torch.arange(batch_size, device=device) % (batch_size // 2)
+
+    def group_loss(self, sums, counts, group, batch):
+        return torch.nn.functional.softplus(sums - sums.mean()).sum()  # sums: this pair's two rows only
+
+    def forward(self, weight, hidden, target, bias=None):
+        return self.policy_loss(hidden, weight, bias, target, None)[0]
+
+
+class _CoupledSoftplus(_SoftplusOfSums):
+    """The same written for the whole batch (``batch_loss``: the mean over every row couples the pairs)."""
+
+    def batch_loss(self, sums, counts, batch):
+        return torch.nn.functional.softplus(sums - sums.mean()).sum()
+
+
+def _materialised_sums(x):
+    logits = x["hidden"] @ x["weight"].t() + x["bias"]
+    lp = logits.log_softmax(-1).gather(-1, x["target"].clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(x["target"] != IGNORE, lp, torch.zeros_like(lp)).sum(-1)
+
+
+@pytest.mark.parametrize("coupled", [False, True], ids=["per-pair", "whole-batch"])
+def test_a_loss_that_couples_groups_takes_the_two_pass_path_and_says_why(coupled):
+    """4-token chunks (every pair longer than a chunk).  Written per group, ``S - S.mean()`` is the pair's own
+    mean: the one-pass path is exact (against plain autograd on materialised logits).  Written for the whole batch
+    (``batch_loss``), it couples pairs: the one-pass path would be 90 % wrong, so the loss takes the two-pass path
+    and ``last_path`` says why; the gradients are again exact."""
+    x = leaf_copies(make_inputs(seed=23, fully_ignored_row=False))
+    fn = (_CoupledSoftplus if coupled else _SoftplusOfSums)(LONG)
+    loss = fn(x["weight"], x["hidden"], x["target"], x["bias"])
+    loss.backward()
+    if coupled:
+        assert fn.last_path == "two-pass: the loss is not a sum over groups (batch_loss): one pass would be wrong"
+        assert _path(loss) == "two-pass"
+    else:
+        assert fn.last_path == "one-pass" and _path(loss) == "one-pass"
+    y = leaf_copies(make_inputs(seed=23, fully_ignored_row=False))
+    sums = _materialised_sums(y)
+    P = sums.shape[0] // 2
+    if coupled:
+        want = torch.nn.functional.softplus(sums - sums.mean()).sum()
+    else:
+        pairs = torch.stack([sums[:P], sums[P:]], 1)
+        want = torch.nn.functional.softplus(pairs - pairs.mean(1, keepdim=True)).sum()
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    _assert_close(_grads(x), _grads(y), what="vs materialised")
 
 
 @pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
@@ -90,14 +191,14 @@ def test_chunk_plan_puts_long_pairs_first_and_ends_each_in_a_chunk_of_its_own():
     rows = torch.repeat_interleave(torch.arange(4), counts)
     order, plan = group_chunks(rows, torch.tensor([0, 1, 0, 1]), counts, 4)
     assert order.tolist() == [0, 1, 2, 3, 4, 7, 8, 9, 10, 11, 12, 5, 6, 13]
-    assert plan == [
-        (0, 4, [(0, 4, 0)], []),
-        (4, 8, [(4, 5, 0), (5, 8, 2)], []),
-        (8, 11, None, [(0, 5, 0), (5, 8, 2)]),
-        (11, 14, None, []),
+    assert plan == [  # (start, end, pending, finish, the groups whose last token is in the chunk)
+        (0, 4, [(0, 4, 0)], [], ()),
+        (4, 8, [(4, 5, 0), (5, 8, 2)], [], ()),
+        (8, 11, None, [(0, 5, 0), (5, 8, 2)], (0,)),
+        (11, 14, None, [], (1,)),
     ]
     _, whole = group_chunks(rows, torch.tensor([0, 1, 0, 1]), counts, 11)
-    assert whole == [(0, 11, None, []), (11, 14, None, [])]
+    assert whole == [(0, 11, None, [], (0,)), (11, 14, None, [], (1,))]
 
 
 def test_chunk_plan_ends_a_long_pair_with_its_last_rows_whole_when_they_fit():
@@ -108,13 +209,13 @@ def test_chunk_plan_ends_a_long_pair_with_its_last_rows_whole_when_they_fit():
     rows = torch.repeat_interleave(torch.arange(4), counts)
     _, plan = group_chunks(rows, torch.tensor([0, 1, 0, 1]), counts, 4)
     assert plan == [
-        (0, 4, [(0, 4, 0)], []),
-        (4, 5, [(4, 5, 0)], []),
-        (5, 8, None, [(0, 5, 0)]),
-        (8, 11, None, []),
+        (0, 4, [(0, 4, 0)], [], ()),
+        (4, 5, [(4, 5, 0)], [], ()),
+        (5, 8, None, [(0, 5, 0)], (0,)),
+        (8, 11, None, [], (1,)),
     ]
     _, plan = group_chunks(rows, torch.tensor([0, 1, 0, 1]), counts, 6)
-    assert plan == [(0, 5, [(0, 5, 0)], []), (5, 11, None, [(0, 5, 0)])]
+    assert plan == [(0, 5, [(0, 5, 0)], [], ()), (5, 11, None, [(0, 5, 0)], (0, 1))]
 
 
 # --------------------------------------------------------------------------------------- autograd contracts
@@ -237,3 +338,29 @@ def test_gemm_work_with_pairs_longer_than_a_chunk(frozen_weight, per_token):
         loss.backward()
     assert _path(loss) == "one-pass"
     assert mode.flops == (per_token + 1) * 2 * tokens * V * H, (mode.flops, tokens, V, H)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+@pytest.mark.parametrize("chunk", [WHOLE, LONG], ids=["whole-groups", "long-groups"])
+def test_a_bf16_gradient_is_scaled_by_the_exact_upstream_factor(kind, chunk):
+    """Gradient accumulation 3 (``loss / 3``) on bf16 weights: the stored gradients are scaled by 1/3 in fp32 and
+    rounded once, i.e. exactly ``bf16(g1 / 3)`` where ``g1`` is the gradient for a factor of 1.  Rounding the
+    factor to bf16 first (1/3 -> 0.333984375) put every entry +0.2 % off."""
+
+    def grads(scale):
+        x = make_inputs(seed=17, dtype=torch.bfloat16, fully_ignored_row=False)
+        x = leaf_copies(x)
+        if kind == "dpo":
+            loss, _ = _dpo_loss(x, token_chunk_size=chunk)
+        else:
+            loss, _ = call_kto(ChunkedKTOLoss(token_chunk_size=chunk), x, torch.tensor([True, False] * 3))
+        assert _path(loss) == "one-pass"
+        (loss * scale).backward()
+        return _grads(x)
+
+    for name, g1, g3 in zip(("grad_hidden", "grad_weight", "grad_bias"), grads(1.0), grads(1 / 3)):
+        assert g3.dtype == torch.bfloat16
+        want = (g1.float() * (1 / 3)).to(torch.bfloat16)
+        assert torch.equal(g3, want), (
+            f"{name}: {((g3.float() - want.float()).abs().max() / want.float().abs().max()):.2e}"
+        )

@@ -29,7 +29,7 @@ import torch
 from _loss_cases import DPO_LOSS_TYPES, IGNORE, call_kto, close, leaf_copies, load_reference, make_inputs, make_target
 
 from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss
-from liger_ddp_patch.losses._core import token_logprobs
+from liger_ddp_patch.losses._twopass import token_logprobs
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = ATOL = 1e-5

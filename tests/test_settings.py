@@ -80,3 +80,92 @@ def test_the_liger_settings_records_are_disabled_by_name():
     s = settings.read(NAMES, {"LIGER_DDP_PATCH_DISABLE": "dpo_liger_settings,kto_liger_settings"})
     assert s.disabled == {"dpo_liger_settings", "kto_liger_settings"}
     assert not s.is_disabled("kto_compute_loss")
+
+
+# ------------------------------------------------------------------------------------ LIGER_DDP_PATCH_LOSS
+
+
+@pytest.fixture
+def fresh_loss_parse():
+    settings.parse_loss.cache_clear()  # each distinct value warns once per process: these tests need it again
+    yield
+    settings.parse_loss.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("value", "options"),
+    [
+        ("", {}),
+        ("one_pass=0", {"one_pass": False}),
+        ("one_pass=1", {"one_pass": True}),
+        (" ONE_PASS = false , token_chunk_size = 64 ", {"one_pass": False, "token_chunk_size": 64}),
+        ("token_chunk_size=1,", {"token_chunk_size": 1}),
+    ],
+)
+def test_loss_options(fresh_loss_parse, value, options):
+    assert read(LIGER_DDP_PATCH_LOSS=value).loss.overrides() == options
+
+
+@pytest.mark.parametrize(
+    ("value", "bad", "kept"),
+    [
+        ("token_chunk_size=0", "token_chunk_size='0' is not valid", {}),
+        ("token_chunk_size=1.5,one_pass=0", "token_chunk_size='1.5' is not valid", {"one_pass": False}),
+        ("one_pass=maybe", "one_pass='maybe' is not valid", {}),
+        ("chunk=512", "'chunk=512' is not a known key=value", {}),
+        ("one_pass", "'one_pass' is not a known key=value", {}),
+    ],
+)
+def test_bad_loss_options_warn_and_keep_the_defaults(fresh_loss_parse, value, bad, kept):
+    with pytest.warns(SettingsWarning) as caught:
+        options = read(LIGER_DDP_PATCH_LOSS=value).loss
+    assert options.overrides() == kept
+    message = str(caught[0].message)
+    assert message.startswith(f"LIGER_DDP_PATCH_LOSS={value!r}: {bad}"), message
+    assert "one_pass=0|1" in message and "token_chunk_size=<positive integer>" in message  # what to write instead
+
+
+def test_loss_options_describe_the_defaults():
+    assert settings.LossOptions().describe() == "one_pass=1 (default), token_chunk_size=auto (default)"
+    assert settings.LossOptions(False, 512).describe() == "one_pass=0, token_chunk_size=512"
+
+
+@pytest.mark.parametrize(("kind", "value"), [("dpo", "one_pass=0,token_chunk_size=7"), ("kto", "token_chunk_size=3")])
+def test_the_swap_builds_our_loss_with_the_options(fresh_loss_parse, monkeypatch, kind, value):
+    """A real swap (the one the compute_loss patch makes under DDP) of Liger's fused loss, settings kept, with the
+    variable's options on top; without the variable the defaults; a key our loss lacks is never passed."""
+    liger = pytest.importorskip("liger_kernel.chunked_loss")
+    from liger_ddp_patch.patches import chunked_loss
+    from liger_ddp_patch.patches.trainers import SPECS
+
+    (spec,) = [s for s in SPECS if s.name == kind]
+    fused = getattr(liger, f"LigerFusedLinear{kind.upper()}Loss")
+
+    class Trainer:
+        pass
+
+    def swapped(env):
+        monkeypatch.setenv("LIGER_DDP_PATCH_LOSS", env)
+        trainer = Trainer()
+        trainer.liger_loss = fused(beta=0.25)
+        said = chunked_loss.swap(trainer, fused, spec)
+        return trainer.liger_loss, said
+
+    loss, said = swapped(value)
+    options = settings.parse_loss(value).overrides()
+    assert type(loss).__name__ == f"Chunked{kind.upper()}Loss" and loss.beta == 0.25
+    assert (loss.one_pass, loss.token_chunk_size) == (options.get("one_pass", True), options["token_chunk_size"])
+    assert said.endswith(f"(LIGER_DDP_PATCH_LOSS: {value.replace(',', ', ')})"), said
+    loss, said = swapped("")
+    assert (loss.one_pass, loss.token_chunk_size) == (True, None) and "LIGER_DDP_PATCH_LOSS" not in said
+
+
+def test_status_shows_the_loss_options(fresh_loss_parse, monkeypatch):
+    import liger_ddp_patch
+
+    monkeypatch.setenv("LIGER_DDP_PATCH_LOSS", "one_pass=0")
+    rows = {row.name: row for row in liger_ddp_patch.report()}
+    for name in ("dpo_chunked_loss", "kto_chunked_loss"):
+        if rows[name].status in ("applied", "pending"):
+            assert rows[name].reason.endswith("(LIGER_DDP_PATCH_LOSS): one_pass=0, token_chunk_size=auto (default)")
+    assert "LIGER_DDP_PATCH_LOSS" not in rows["dpo_compute_loss"].reason

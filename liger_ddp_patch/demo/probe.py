@@ -36,9 +36,8 @@ NO_TRITON = {k: False for k in ("rope", "rms_norm", "swiglu", "cross_entropy", "
 # Named setups for --configs, each a fresh model and trainer. Keys override the command line: trainer, lora (LoRA on
 # q/v), modules_to_save, peft_model (a PeftModel, adapters already moved off zero, handed to the trainer), checkpointing
 # ("reentrant"/"non-reentrant"), find_unused (ddp_find_unused_parameters), ref_model (an explicit reference model),
-# grad_accum, loss_type, bf16, model_dtype, logits_budget (bytes per token chunk of our loss on CPU: 256 at the tiny
-# vocabulary of 64 makes a chunk of 1 token, so every pair / row is longer than a chunk). A trainer's short name
-# alone is its plain setup.
+# grad_accum, loss_type, bf16, model_dtype, loss_options (LIGER_DDP_PATCH_LOSS while it trains: token_chunk_size=1
+# makes every pair / row longer than a chunk). A trainer's short name alone is its plain setup.
 CONFIGS: dict[str, dict] = {
     "dpo-bf16-mixed": {"trainer": "dpo", "bf16": True},  # fp32 weights, bf16=True (TRL's default)
     "kto-bf16-mixed": {"trainer": "kto", "bf16": True},
@@ -53,9 +52,15 @@ CONFIGS: dict[str, dict] = {
     "dpo-ref-model": {"trainer": "dpo", "ref_model": True},
     "dpo-grad-accum": {"trainer": "dpo", "grad_accum": 2},
     "dpo-apo-zero": {"trainer": "dpo", "loss_type": ["apo_zero"]},
-    "dpo-long-pairs": {"trainer": "dpo", "logits_budget": 256},
-    "kto-long-rows": {"trainer": "kto", "logits_budget": 256},
-    "dpo-bf16-long-pairs": {"trainer": "dpo", "bf16": True, "model_dtype": "bfloat16", "logits_budget": 256},
+    "dpo-long-pairs": {"trainer": "dpo", "loss_options": "token_chunk_size=1"},
+    "kto-long-rows": {"trainer": "kto", "loss_options": "token_chunk_size=1"},
+    "dpo-bf16-long-pairs": {
+        "trainer": "dpo",
+        "bf16": True,
+        "model_dtype": "bfloat16",
+        "loss_options": "token_chunk_size=1",
+    },
+    "dpo-two-pass": {"trainer": "dpo", "loss_options": "one_pass=0,token_chunk_size=3"},
     "kto-lora": {"trainer": "kto", "lora": True},
     "kto-bf16": {"trainer": "kto", "bf16": True, "model_dtype": "bfloat16"},
     "kto-gc": {"trainer": "kto", "checkpointing": "non-reentrant"},
@@ -64,13 +69,14 @@ CONFIGS: dict[str, dict] = {
     # checkpointing: "Expected to mark a variable ready only once", with or without Liger.
     "dpo-lora-gc-reentrant": {"trainer": "dpo", "lora": True, "checkpointing": "reentrant"},
 }
+LOSS_VARIABLE = "LIGER_DDP_PATCH_LOSS"  # settings.LOSS, spelled out: importing the package here would patch TRL
 ARMS = ("liger", "fused", "off")  # use_liger_kernel=True; the same with TRL's fused loss kept; use_liger_kernel=False
 
 
 def setup(name: str, arm: str, args) -> argparse.Namespace:
     """The command line with config ``name``'s keys and ``arm`` applied (unknown names: a trainer's plain setup)."""
     defaults = {"lora": False, "modules_to_save": None, "peft_model": False, "checkpointing": None,
-                "find_unused": None, "ref_model": False, "loss_type": None, "logits_budget": None}  # fmt: skip
+                "find_unused": None, "ref_model": False, "loss_type": None, "loss_options": None}  # fmt: skip
     merged = {**defaults, **vars(args), **CONFIGS.get(name, {"trainer": name}), "config": name, "arm": arm}
     if arm == "off":
         merged["no_liger"] = True
@@ -147,9 +153,9 @@ def _watch_losses(seen: dict) -> object:
             )
             loss = output[0] if isinstance(output, tuple) else output
             seen.setdefault(f"{name} grad_fn", type(getattr(loss, "grad_fn", None)).__name__)
-            core = sys.modules.get("liger_ddp_patch.losses._core")  # (imported by the package, never from here)
-            if core is not None:
-                seen.setdefault(f"{name} logits budget", core.logits_budget_bytes("cpu"))
+            if getattr(module, "last_path", None) is not None:  # ours: the path and token chunk it really ran
+                seen.setdefault(f"{name} path", module.last_path)
+                seen.setdefault(f"{name} chunk", module.last_chunk)
 
     return torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
 
@@ -303,18 +309,17 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
     result["callbacks"] = [type(c).__name__ for c in trainer.callback_handler.callbacks]  # e.g. the sync verifier
     seen: dict = {}
     handle = _watch_losses(seen)
-    budgets = None
-    if args.logits_budget:  # imported only here: importing the package applies the patch
-        from liger_ddp_patch.losses import _core
-
-        budgets = dict(_core.LOGITS_BUDGET_BYTES)
-        _core.LOGITS_BUDGET_BYTES["cpu"] = args.logits_budget
+    saved = os.environ.get(LOSS_VARIABLE)
+    if args.loss_options:  # read by the loss swap, the first time the trainer computes a loss under DDP
+        os.environ[LOSS_VARIABLE] = args.loss_options
     try:
         trainer.train()
     finally:
         handle.remove()
-        if budgets is not None:
-            _core.LOGITS_BUDGET_BYTES.update(budgets)
+        if saved is None:
+            os.environ.pop(LOSS_VARIABLE, None)
+        else:
+            os.environ[LOSS_VARIABLE] = saved
     result["loss_saw"] = seen
     result["history"] = trainer.state.log_history
     result["evals"] = [h for h in trainer.state.log_history if "eval_loss" in h]

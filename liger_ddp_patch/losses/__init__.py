@@ -1,7 +1,13 @@
 """Token-chunked, plain-autograd replacements for the fused Liger/TRL DPO and KTO losses.
 
 No ``torch.func`` and no ``torch.compile`` anywhere in the loss path (so they work inside
-``DistributedDataParallel.forward``), and no import of ``trl`` or ``liger_kernel``.
+``DistributedDataParallel.forward``), and no import of ``trl`` or ``liger_kernel``.  Layers, each importing only
+those below it (as Liger's ``chunked_loss/``):
+
+* ``dpo.py``, ``kto.py`` -- one loss each: its formula, the loss of one group, its metrics;
+* ``_base.py`` -- the base class: a loss is a sum of per-group terms, and which path runs;
+* ``_onepass.py`` (gradients formed in the forward) and ``_twopass.py`` (the backward recomputes the logits);
+* ``_kernels.py`` -- the shared head kernels: the chunk/dtype plan, logits buffers, softmax, fp32 accumulation.
 """
 
 from .dpo import ChunkedDPOLoss

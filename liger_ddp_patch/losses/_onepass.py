@@ -1,17 +1,16 @@
 """One pass over the head: the loss gradients are formed while each chunk's logits are still in memory.
 
-A DPO pair's loss (a KTO row's) depends only on that pair's per-sequence log-probs and on batch constants known
-before the policy pass (reference log-probs, KTO's detached ``kl``, the number of pairs, the chosen-token count of
-the NLL term).  So once a group's (pair's, row's) last token has been through the head, its per-row sums ``S``
-are complete, and with them ``a = dL/dS_row`` (plain autograd on the small ``(B,)`` tensor of sums; rows of
-later groups hold 0 and cannot reach this group's derivative because the loss is a sum over groups):
+The base (``_base``) builds every loss as a sum of per-group terms, each a function of its own group's per-row sums
+``S`` (a DPO pair: rows ``i`` and ``i + P``; a KTO row) and of batch constants known before the policy pass
+(reference log-probs, KTO's detached ``kl``, the number of pairs, the chosen-token count of the NLL term).  So once
+a group's last token has been through the head, its sums are complete, and with them ``a = dL/dS_row`` of its rows
+(plain autograd on that group's term alone):
 
     grad_logits[t] = a[row(t)] * (onehot(y_t) - softmax(logits_t))
 
-is formed in place of the logits (fp32: the softmax, the target entry set to ``expm1(logp)``, one scaling
-sweep, one cast to the compute dtype), multiplied into grad-input and the weight gradient, and dropped: three
-GEMMs per policy token, against four in the two-pass core (``_core``, whose backward recomputes the logits and
-sweeps them again).  The backward only scales the stored gradients.
+is formed in place of the logits (fp32: the softmax, the target entry set to ``expm1(logp)``, one scaling sweep,
+one cast to the compute dtype), multiplied into grad-input and the weight gradient, and dropped: three GEMMs per
+policy token, against four on the two-pass path (``_twopass``).  The backward only scales the stored gradients.
 
 Groups that fit a token chunk are packed whole into chunks.  A group longer than the chunk (a long pair) is split
 over consecutive chunks; until its last chunk its rows' ``a`` is unknown, so those chunks use ``a = 1`` and add
@@ -21,37 +20,47 @@ few: the last chunk of a long group takes its last rows whole when they fit (the
 each fit a chunk keeps one, for its chosen row), and long groups go first, so that the first one's first sum is
 the weight gradient itself.  Extra ``(V, H)`` tensors, reused from one long group to the next: DPO with rows that
 fit a chunk 0 for the first long pair, 1 from the second; with longer rows 1, then 2; KTO 0, then 1; none with a
-frozen head (LoRA).
+frozen head (LoRA).  ``one_pass=False`` (``LIGER_DDP_PATCH_LOSS=one_pass=0``) avoids them.
 
-Memory: the same token budget as the two-pass core; grad-input (the size of the hidden states) and the weight /
-bias gradients live from the forward to the backward, no logits do.  In half precision the weight gradient is the
-result itself, updated in place by one GEMM per token chunk (``addmm_``: fp32 accumulation inside the GEMM, one
-rounding to the half dtype per chunk; Liger rounds its bf16 accumulator once per *pair*).  Under autocast (fp32
-weight, half GEMMs) the fp32 result is updated one vocabulary block at a time (``_core.vocab_block_rows``).
-
-It applies whenever a gradient is needed (all ten DPO loss types and KTO are sums over groups:
-``dpo.ONE_PASS_DPO_LOSS_TYPES``); ``one_pass=False`` forces the two-pass path.  Not supported (clear
-error): double backward.  ``retain_graph`` works: a second backward recomputes the gradients with the two-pass
-core from the saved inputs (exact, no extra memory kept).
+Memory: the same token budget as the two-pass path; grad-input (the size of the hidden states) and the weight /
+bias gradients live from the forward to the backward, no logits do.  The saved inputs (``hidden2d``, the selected
+positions, one log-sum-exp and one factor per token) are kept as well, only so that a second backward
+(``retain_graph=True``) can recompute the gradients with the two-pass path: with the stored gradients they set this
+path's peak.  In half precision the weight gradient is the result itself, updated in place by one GEMM per token
+chunk (``addmm_``: fp32 accumulation inside the GEMM, one rounding to the half dtype per chunk; Liger rounds its
+bf16 accumulator once per *pair*).  Under autocast (fp32 weight, half GEMMs) the fp32 result is updated one
+vocabulary block at a time (``_kernels.vocab_block_rows``).  Not supported (clear error): double backward.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from . import _core
+from . import _kernels, _twopass
+from ._kernels import LogitsBuffers, Plan, Selection, no_autocast, softmax_
 
-__all__ = ["group_chunks", "OnePassLoss"]
+__all__ = ["Chunk", "OnePassLoss", "group_chunks"]
+
+
+class Chunk(NamedTuple):
+    """Tokens ``[start, end)`` of the group-ordered tokens.  ``pending``: ``None`` for a chunk of complete groups,
+    else the ``(a, b, row)`` segments of a long group whose end comes later; ``finish``: the pending segments of the
+    long group this chunk ends (whose last tokens open it); ``groups``: the groups whose last token is here."""
+
+    start: int
+    end: int
+    pending: list | None
+    finish: list
+    groups: tuple = ()
 
 
 def group_chunks(rows: torch.Tensor, group_of_row: torch.Tensor, counts: torch.Tensor, chunk: int):
-    """Token order and chunk plan: ``(order, plan)``.
+    """Token order and chunk plan: ``(order, chunks)``.
 
     ``order`` permutes the selected tokens (``rows``: their batch rows, row-major) so that each group's tokens are
-    contiguous, row by row; groups longer than ``chunk`` first.  ``plan`` lists ``(start, end, pending, finish)``
-    in that order: ``pending`` is ``None`` for a chunk of complete groups, else the ``(a, b, row)`` segments of a
-    long group whose end comes later; ``finish`` lists the pending segments of the long group this chunk ends
-    (whose last tokens open it; complete groups may follow them in it).
+    contiguous, row by row; groups longer than ``chunk`` first.  ``chunks`` lists the :class:`Chunk` in that order.
     """
     grp_of_row, cnt = group_of_row.tolist(), counts.tolist()
     members: dict[int, list[tuple[int, int]]] = {}
@@ -64,23 +73,24 @@ def group_chunks(rows: torch.Tensor, group_of_row: torch.Tensor, counts: torch.T
     rank[ranked] = torch.arange(len(ranked))
     order = torch.argsort(rank.to(rows.device)[group_of_row.index_select(0, rows)], stable=True)
 
-    plan, start, end, finish = [], 0, 0, []  # the open chunk of complete groups: [start, end), ending ``finish``
+    plan, start, end, finish, done = [], 0, 0, [], []  # the open chunk of complete groups: [start, end)
     for g in ranked:
         n = size[g]
         if n > chunk or end + n - start > chunk:
             if end > start:
-                plan.append((start, end, None, finish))
-            start, finish = end, []
+                plan.append(Chunk(start, end, None, finish, tuple(done)))
+            start, finish, done = end, [], []
         if n > chunk:
             tail = _tail(members[g], n, chunk)
             segs = _segments(members[g], end, end + n - tail)
             for s in range(end, end + n - tail, chunk):
                 e = min(s + chunk, end + n - tail)
-                plan.append((s, e, [(max(a, s), min(b, e), r) for a, b, r in segs if a < e and b > s], []))
+                plan.append(Chunk(s, e, [(max(a, s), min(b, e), r) for a, b, r in segs if a < e and b > s], []))
             start, finish = end + n - tail, segs
+        done.append(g)
         end += n
     if end > start:
-        plan.append((start, end, None, finish))
+        plan.append(Chunk(start, end, None, finish, tuple(done)))
     return order, plan
 
 
@@ -106,13 +116,6 @@ def _segments(members, a, b):
     return out
 
 
-def _d_loss_d_sums(loss_of_sums, sums: torch.Tensor) -> torch.Tensor:
-    with torch.enable_grad():
-        s = sums.detach().clone().requires_grad_(True)
-        (grad,) = torch.autograd.grad(loss_of_sums(s), s, allow_unused=True)
-    return torch.zeros_like(sums) if grad is None else grad
-
-
 class _Accumulator:
     """A ``(V, H)`` gradient sum ``+= q.T @ h``: written by the first GEMM (no zero-fill pass) where the dtypes
     allow.  Same dtypes (fp32, or a half-precision result): one in-place GEMM, fp32 accumulation inside it and one
@@ -120,6 +123,10 @@ class _Accumulator:
 
     def __init__(self, tensor, block, fast):
         self.t, self.block, self.fast, self.written = tensor, block, fast, False
+
+    def like(self):
+        """A fresh, unwritten sum of the same shape and dtype."""
+        return _Accumulator(torch.empty_like(self.t), self.block, self.fast)
 
     def add(self, q, h):
         if q.dtype == self.t.dtype:
@@ -134,7 +141,12 @@ class _Accumulator:
             self.written = True
         for v0 in range(0, self.t.shape[0], self.block):
             v1 = min(self.t.shape[0], v0 + self.block)
-            _core._add_product(self.t[v0:v1], q[:, v0:v1].t(), h, self.fast)
+            _kernels.add_product(self.t[v0:v1], q[:, v0:v1].t(), h, self.fast)
+
+    def scale_into(self, result, factor):
+        """``result += factor * self``, and ``self`` is unwritten again (reusable)."""
+        result.t.add_(self.t, alpha=factor.item())  # one pass over (V, H); one host sync per long group
+        self.written = False
 
     def result(self):
         return self.t if self.written else self.t.zero_()
@@ -144,36 +156,32 @@ def _softmax_minus_onehot_(logits, lab):
     """In place, in fp32: ``logits`` -> ``(softmax - onehot) / k`` per row; returns the target log-probs, the
     log-sum-exps and ``k`` (None: 1; the row scale of the non-fused softmax, for the caller to fold in).  The
     target entry is set to ``expm1(logp)``: no cancellation."""
-    logp, lse, k = _core.softmax_(logits, lab)  # CPU: logits <- softmax; else exp(x - max), softmax = logits * k
+    logp, lse, k = softmax_(logits, lab)  # CPU: logits <- softmax; else exp(x - max), softmax = logits * k
     tgt = torch.expm1(logp)
     logits.scatter_(1, lab, (tgt if k is None else tgt / k).unsqueeze(1).to(logits.dtype))
     return logp, lse, k
 
 
 class OnePassLoss(torch.autograd.Function):
-    """``(loss, S)`` of a group-separable loss of the per-row sums ``S``; gradients made in the forward.
+    """``(loss, S)`` of a per-group loss of the per-row sums ``S``; gradients made in the forward.
 
-    ``loss_of_sums(S) -> scalar`` must be a sum over groups of terms that each read only their own rows of ``S``
-    (DPO: a pair = rows ``i`` and ``i + P``; KTO: a row).  ``S`` is returned without gradient.
+    ``grouped`` is the base's sum over groups: ``grouped(S)`` the loss, ``grouped.gradient(S, groups)`` the
+    derivative of the named groups' terms (each reads only its own rows).  ``S`` is returned without gradient.
     """
 
     @staticmethod
-    def forward(ctx, hidden2d, weight, bias, positions, labels, rows, order, plan, batch, loss_of_sums, cfg):
-        chunk, cdtype, budget = cfg
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        with _core._no_autocast(hidden2d.device):
-            out = _one_pass(
-                hidden2d, weight, bias, positions, labels, rows, order, plan, batch, loss_of_sums, cdtype, budget,
-                (need_h, need_w, need_b),
-            )  # fmt: skip
-        loss, sums, grads, pos_p, lab_p, lse_p, g_tok = out
-        ctx.grads = grads
-        ctx.cfg = cfg
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(hidden2d, weight, bias if bias is not None else weight.new_empty(0), pos_p, lab_p, lse_p)
-        ctx.g_tok = g_tok
-        ctx.mark_non_differentiable(sums)
-        return loss, sums
+    def forward(ctx, hidden2d, weight, bias, sel: Selection, plan: Plan, schedule, grouped):
+        run = _Run(sel, weight, bias, plan, schedule, ctx.needs_input_grad[:3])
+        with no_autocast(hidden2d.device):
+            for chunk in schedule[1]:
+                run.chunk(chunk, grouped)
+            with torch.no_grad():
+                loss = grouped(run.sums)
+        ctx.grads, ctx.plan, ctx.has_bias = run.results(bias), plan, bias is not None
+        ctx.sel = run.ordered._replace(hidden2d=None)  # the integer index tensors; hidden2d is saved below
+        ctx.save_for_backward(hidden2d, weight, bias if bias is not None else weight.new_empty(0), run.lse, run.g_tok)
+        ctx.mark_non_differentiable(run.sums)
+        return loss, run.sums
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_sums):
@@ -183,73 +191,76 @@ class OnePassLoss(torch.autograd.Function):
                 "gradients are computed without building a graph; backward once, without create_graph"
             )
         grads, ctx.grads = ctx.grads, None  # hand the tensors over (no copy into .grad)
-        if grads is None:  # a second backward (retain_graph=True): recompute with the two-pass core
-            hidden2d, weight, bias, pos_p, lab_p, lse_p = ctx.saved_tensors
-            chunk, cdtype, budget = ctx.cfg
-            with _core._no_autocast(hidden2d.device):
-                grads = _core._backward_chunks(
-                    hidden2d, weight, bias if ctx.has_bias else None, pos_p, lab_p, lse_p, ctx.g_tok,
-                    chunk, cdtype, budget, ctx.needs_input_grad[:3],
+        if grads is None:  # a second backward (retain_graph=True): recompute with the two-pass path
+            hidden2d, weight, bias, lse, g_tok = ctx.saved_tensors
+            with no_autocast(hidden2d.device):
+                grads = _twopass.backward_chunks(
+                    ctx.sel._replace(hidden2d=hidden2d), weight, bias if ctx.has_bias else None, lse, g_tok,
+                    ctx.plan, ctx.needs_input_grad[:3],
                 )  # fmt: skip
-        if not bool(grad_loss == 1):
-            grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
-        return (*grads, None, None, None, None, None, None, None, None)
+        factor = float(grad_loss)  # a Python float: a half-precision gradient is scaled in fp32, rounded once
+        if factor != 1.0:
+            grads = tuple(None if g is None else g.mul_(factor) for g in grads)
+        return (*grads, None, None, None, None)
 
 
-def _one_pass(hidden2d, weight, bias, positions, labels, rows, order, plan, batch, loss_of_sums, cdtype, budget, needs):
-    need_h, need_w, need_b = needs
-    V, H = weight.shape
-    device = hidden2d.device
-    mdtype = _core._math_dtype(cdtype)
-    fast = _core._fp32_out(device, cdtype)
-    pos_p, lab_p, rows_p = positions[order], labels[order], rows[order]
-    n = pos_p.numel()
-    sums = torch.zeros(batch, dtype=torch.float32, device=device)  # fp32, as the two-pass log-probs
-    lse_p = torch.empty(n, dtype=mdtype, device=device)
-    g_tok = torch.zeros(n, dtype=mdtype, device=device)  # dL/dS of each token's row (a second backward reads it)
-    grad_h = torch.zeros_like(hidden2d) if need_h else None
-    grad_b = torch.zeros(V, dtype=mdtype, device=device) if need_b else None
-    w = weight.to(cdtype)
-    block = _core.vocab_block_rows(V, H, budget) if need_w and weight.dtype != cdtype else V
-    grad_w = _Accumulator(torch.empty_like(weight), block, fast) if need_w else None  # the result
-    long = _LongGroups(grad_w)
-    bufs = _core.LogitsBuffers(max((e - s for s, e, *_ in plan), default=0), V, cdtype, device, fast)
-    for s, e, pending, finish in plan:
-        pos, lab, r = pos_p[s:e], lab_p[s:e].unsqueeze(1), rows_p[s:e]
-        h = hidden2d.index_select(0, pos).to(cdtype)
-        gl = bufs.logits(h, w, bias)
-        logp, lse_p[s:e], k = _softmax_minus_onehot_(gl, lab)
-        sums.index_add_(0, r, logp.float())
-        if pending is None:  # every row here is complete: its factor is known
-            g = _d_loss_d_sums(loss_of_sums, sums).to(mdtype)
-            g_tok[s:e] = g.index_select(0, r)
-            if finish:
-                long.finish(finish, g, g_tok, pos_p, grad_h, grad_b)
-            mult = -g_tok[s:e]
+class _Run:
+    """The state of one forward: the group-ordered tokens, the per-row sums, and the gradients made so far."""
+
+    def __init__(self, sel: Selection, weight, bias, plan: Plan, schedule, needs):
+        need_h, need_w, need_b = needs
+        order = schedule[0]
+        V, device = weight.shape[0], sel.hidden2d.device
+        self.ordered = sel._replace(positions=sel.positions[order], labels=sel.labels[order], rows=sel.rows[order])
+        self.plan, self.bias = plan, bias
+        n = self.ordered.positions.numel()
+        self.sums = torch.zeros(sel.counts.shape[0], dtype=torch.float32, device=device)  # fp32, as two-pass
+        self.lse = torch.empty(n, dtype=plan.mdtype, device=device)
+        self.g_tok = torch.zeros(n, dtype=plan.mdtype, device=device)  # dL/dS of each token's row
+        self.grad_h = torch.zeros_like(sel.hidden2d) if need_h else None
+        self.grad_b = torch.zeros(V, dtype=plan.mdtype, device=device) if need_b else None
+        self.w = weight.to(plan.cdtype)
+        block = plan.block_rows(weight) if weight.dtype != plan.cdtype else V
+        self.grad_w = _Accumulator(torch.empty_like(weight), block, plan.fast) if need_w else None  # the result
+        self.long = _LongGroups(self.grad_w)
+        self.bufs = LogitsBuffers(max((c.end - c.start for c in schedule[1]), default=0), V, plan, device)
+
+    def chunk(self, c: Chunk, grouped):
+        """Project tokens ``[c.start, c.end)``, form their gradients and add them (or hold them, if pending)."""
+        s, e, plan, sel = c.start, c.end, self.plan, self.ordered
+        pos, lab, r = sel.positions[s:e], sel.labels[s:e].unsqueeze(1), sel.rows[s:e]
+        h = sel.hidden2d.index_select(0, pos).to(plan.cdtype)
+        gl = self.bufs.logits(h, self.w, self.bias)
+        logp, self.lse[s:e], k = _softmax_minus_onehot_(gl, lab)
+        self.sums.index_add_(0, r, logp.float())
+        if c.pending is None:  # every group here is complete: its rows' factors are known
+            g = grouped.gradient(self.sums, c.groups).to(plan.mdtype)
+            self.g_tok[s:e] = g.index_select(0, r)
+            if c.finish:
+                self.long.finish(c.finish, g, self)
+            mult = -self.g_tok[s:e]
         else:  # a long group's rows: factor -1 until it ends
-            mult = torch.full((e - s,), -1.0, dtype=mdtype, device=device)
+            mult = torch.full((e - s,), -1.0, dtype=plan.mdtype, device=gl.device)
         # gl <- mult * (softmax - onehot) = grad_logits, in fp32 (one sweep), then one cast to the compute dtype
-        # (half-precision mul(out=), scatter_ and exp(out=) are slow paths on CPU: 28-56 ms per 699 x 32,000
-        # block against 2-9 ms in fp32 plus a 6-10 ms cast)
+        # (half-precision mul(out=), scatter_ and exp(out=) are slow paths on CPU)
         gl.mul_((mult if k is None else mult * k).unsqueeze(1))
-        glc = bufs.lowp(gl, cdtype)
+        glc = self.bufs.lowp(gl, plan.cdtype)
         gh = None
-        if need_h:
-            gh = torch.mm(glc, w, out_dtype=torch.float32) if fast else glc @ w
-        if pending is not None:
-            long.add(pending, s, e, glc, gl if need_b else None, h if need_w else None, gh)
-            continue
-        if need_h:
-            grad_h.index_copy_(0, pos, gh.to(grad_h.dtype))
-        if need_w:
-            grad_w.add(glc, h)
-        if need_b:
-            grad_b += gl.sum(dim=0)
-        del gl, glc, gh
-    with torch.no_grad():
-        loss = loss_of_sums(sums)
-    grads = (grad_h, None if grad_w is None else grad_w.result(), None if grad_b is None else grad_b.to(bias.dtype))
-    return loss, sums, grads, pos_p, lab_p, lse_p, g_tok
+        if self.grad_h is not None:
+            gh = torch.mm(glc, self.w, out_dtype=torch.float32) if plan.fast else glc @ self.w
+        if c.pending is not None:
+            self.long.add(c.pending, s, e, glc, gl if self.grad_b is not None else None, h, gh)
+            return
+        if gh is not None:
+            self.grad_h.index_copy_(0, pos, gh.to(self.grad_h.dtype))
+        if self.grad_w is not None:
+            self.grad_w.add(glc, h)
+        if self.grad_b is not None:
+            self.grad_b += gl.sum(dim=0)
+
+    def results(self, bias):
+        grad_w = None if self.grad_w is None else self.grad_w.result()
+        return self.grad_h, grad_w, None if self.grad_b is None else self.grad_b.to(bias.dtype)
 
 
 class _LongGroups:
@@ -257,14 +268,14 @@ class _LongGroups:
     sum per row, and the grad-input rows; scaled and added to the results when the group ends.  The first long
     group's first row sums into the (still unwritten) weight gradient itself; the other sums are reused."""
 
-    def __init__(self, grad_w):
+    def __init__(self, grad_w: _Accumulator | None):
         self.grad_w, self.spare, self.w, self.b, self.h = grad_w, [], {}, {}, []
 
     def add(self, segments, s, e, glc, gl, h, gh):
         """A pending chunk ``[s, e)``: its gradient block in the compute dtype (``glc``) and fp32 (``gl``, for the
         bias), hidden states and grad-input rows, all with the row factor -1 (or the softmax scale) only."""
         for a, b, r in segments:
-            if h is not None:
+            if self.grad_w is not None:
                 self._sum(r).add(glc[a - s : b - s], h[a - s : b - s])
             if gl is not None:
                 self.b.setdefault(r, gl.new_zeros(gl.shape[1])).add_(gl[a - s : b - s].sum(dim=0))
@@ -275,28 +286,25 @@ class _LongGroups:
         if row not in self.w:
             if not self.grad_w.written:  # long groups go first: only the first one's first row finds it so
                 self.w[row] = self.grad_w
-            elif self.spare:
-                self.w[row] = self.spare.pop()
             else:
-                self.w[row] = _Accumulator(torch.empty_like(self.grad_w.t), self.grad_w.block, self.grad_w.fast)
+                self.w[row] = self.spare.pop() if self.spare else self.grad_w.like()
         return self.w[row]
 
-    def finish(self, segments, g, g_tok, pos_p, grad_h, grad_b):
+    def finish(self, segments, g, run: _Run):
         """The group ended: ``g`` holds its rows' factors."""
         for a, b, r in segments:
-            g_tok[a:b] = g[r]
+            run.g_tok[a:b] = g[r]
         result = self.grad_w
         for r, p in self.w.items():  # the result itself may hold a row's sum: scale it before adding the others
             if p is result:
-                result.t.mul_(g[r].to(result.t.dtype))
+                result.t.mul_(g[r].item())  # in fp32: the factor is not rounded to a half dtype
         for r, p in self.w.items():
-            if p is result:
-                continue
-            result.t.add_(p.t, alpha=g[r].item())  # one pass over (V, H); one host sync per long group
-            p.written = False
-            self.spare.append(p)
+            if p is not result:
+                p.scale_into(result, g[r])
+                self.spare.append(p)
         for r, bias_sum in self.b.items():
-            grad_b.add_(bias_sum * g[r])
+            run.grad_b.add_(bias_sum * g[r])
         for s, e, gh in self.h:
-            grad_h.index_copy_(0, pos_p[s:e], (gh * g_tok[s:e].unsqueeze(1)).to(grad_h.dtype))
+            pos = run.ordered.positions[s:e]
+            run.grad_h.index_copy_(0, pos, (gh * run.g_tok[s:e].unsqueeze(1)).to(run.grad_h.dtype))
         self.w, self.b, self.h = {}, {}, []

@@ -38,20 +38,26 @@ Metrics (all detached, fp32), in order:
     chosen_logps (P,), rejected_logps (P,),
     chosen_logits_mean (), rejected_logits_mean ()  -- mean of the policy logits over *all* positions of the
         chosen / rejected rows, ignored (prompt/padding) positions included, i.e. Σ logits / (P · L · V),
-        as in Liger; computed without a GEMM (see ``_core.row_logit_sums``),
+        as in Liger; computed without a GEMM (see ``_kernels.row_logit_sums``),
     nll_loss () -- the NLL term above (0 when compute_nll_loss=False), not multiplied by alpha,
     chosen_rewards (P,) = β r_w, rejected_rewards (P,) = β r_l.
+
+The loss of one pair (``ChunkedDPOLoss.group_loss``, summed over pairs by the base, ``_base``) is
+``loss_pair / P - alpha * S_w / N_w`` with ``S_w`` the pair's chosen-row sum of token log-probs and ``N_w`` the
+batch's chosen-token count (a batch constant).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-from ._core import ChunkedLinearLoss, row_logit_sums
-from ._core import check_reference as _check_reference
+from ._base import ChunkedLinearLoss
+from ._kernels import check_reference, row_logit_sums
 
-__all__ = ["ChunkedDPOLoss", "dpo_preference_loss", "ONE_PASS_DPO_LOSS_TYPES", "SUPPORTED_DPO_LOSS_TYPES"]
+__all__ = ["ChunkedDPOLoss", "dpo_preference_loss", "SUPPORTED_DPO_LOSS_TYPES"]
 
 SUPPORTED_DPO_LOSS_TYPES = (
     "sigmoid",
@@ -65,13 +71,6 @@ SUPPORTED_DPO_LOSS_TYPES = (
     "apo_down",
     "discopop",
 )
-
-# Loss types whose batch loss is a sum of per-pair terms, each a function of its own pair's (r_w, r_l) only: every
-# formula in the module docstring is elementwise over pairs before ``.sum() / P`` (no batch mean, no ranking, no
-# running statistic), so all ten take the one-pass path (``_onepass``; checked by
-# tests/test_losses_onepass.py::test_every_one_pass_loss_type_is_pair_separable).  A type that coupled pairs
-# would be left out here and keep the two-pass path.
-ONE_PASS_DPO_LOSS_TYPES = SUPPORTED_DPO_LOSS_TYPES
 
 
 def _check_options(loss_type: str, label_smoothing: float) -> None:
@@ -143,12 +142,21 @@ def dpo_preference_loss(
     return losses.sum() / n_pairs, rew_w, rew_l
 
 
+class _Batch(NamedTuple):
+    """The batch constants of one DPO call: what a pair's loss reads besides its own sums."""
+
+    n_pairs: int
+    ref_chosen: torch.Tensor | None  # (P,) reference log-probs, or None without a reference model
+    ref_rejected: torch.Tensor | None
+    chosen_tokens: torch.Tensor  # () the chosen rows' non-ignored tokens: the NLL denominator
+
+
 class ChunkedDPOLoss(ChunkedLinearLoss):
     """Token-chunked linear + DPO loss (plain autograd; see the module docstring for formulas/metrics).
 
-    Paths (``_core`` module docstring): with a gradient, every loss type takes the one-pass path (gradients formed
-    in the forward, ``_onepass``; each type is a sum of per-pair terms), a pair longer than a token chunk included;
-    without a gradient, one GEMM per token.
+    Paths: with a gradient, every loss type takes the one-pass path (gradients formed in the forward,
+    ``_onepass``; the loss is a sum of per-pair terms by construction, ``_base``), a pair longer than a token chunk
+    included; ``one_pass=False``: the two-pass path (``_twopass``); without a gradient, one GEMM per token.
 
     Args (same names/defaults as ``LigerFusedLinearDPOLoss`` 0.8.5 and TRL 1.13 ``FusedLinearDPOLoss``):
         ignore_index: label value that marks positions without loss (prompt, padding).
@@ -159,7 +167,7 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
             and the result does not depend on it; our memory is bounded by ``token_chunk_size`` instead.
         token_chunk_size: (our own keyword) number of non-ignored tokens projected per chunk; ``None`` = auto:
             one chunk's logits fill a memory budget of 128 MiB on CPU and 1 GiB on an accelerator
-            (``_core.resolve_token_chunk_size``; 1048 tokens for fp32 on CPU at V=32000).
+            (``_kernels.resolve_token_chunk_size``; 1048 tokens for fp32 on CPU at V=32000).
         one_pass: (our own keyword) ``False`` forces the two-pass path: one more GEMM per policy token, but no
             gradient held from the forward to the backward (the one-pass path holds grad-input and the weight
             gradient, plus up to two ``(V, H)`` sums for pairs longer than a chunk: ``_onepass``).
@@ -194,7 +202,7 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
     def extra_repr(self) -> str:
         return (
             f"loss_type={self.loss_type!r}, beta={self.beta}, use_ref_model={self.use_ref_model}, "
-            f"token_chunk_size={self.token_chunk_size}"
+            f"token_chunk_size={self.token_chunk_size}, one_pass={self.one_pass}"
         )
 
     def forward(
@@ -218,73 +226,60 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
             ``(loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean, nll_loss,
             chosen_rewards, rejected_rewards))``.
         """
-        _check_reference(self.use_ref_model, ref_input, ref_weight)
-        batch, seq_len = target.shape[0], target.shape[1]
-        n_pairs = batch // 2
-        vocab = lin_weight.shape[0]
-
-        ref_chosen = ref_rejected = None
+        check_reference(self.use_ref_model, ref_input, ref_weight)
+        n_pairs, seq_len = target.shape[0] // 2, target.shape[1]
+        if target.shape[0] != 2 * n_pairs or n_pairs == 0:
+            raise ValueError(
+                f"ChunkedDPOLoss expects 2 P rows (P chosen, then P rejected); got a batch of {target.shape[0]}"
+            )
+        ref = (None, None)
         if self.use_ref_model:
             with torch.no_grad():
-                ref_seq, _, _, _ = self.sequence_logps(ref_input, ref_weight, ref_bias, target)
-            ref_chosen, ref_rejected = ref_seq[:n_pairs], ref_seq[n_pairs:]
-
-        def preference(seq):
-            return dpo_preference_loss(
-                seq[:n_pairs],
-                seq[n_pairs:],
-                ref_chosen,
-                ref_rejected,
-                n_pairs,
-                beta=self.beta,
-                loss_type=self.loss_type,
-                label_smoothing=self.label_smoothing,
-                discopop_tau=self.discopop_tau,
-            )
-
-        def nll_of_sums(sums, counts):  # -(chosen token log-probs) / #chosen tokens: linear in the chosen row sums
-            return -sums[:n_pairs].sum() / counts[:n_pairs].sum()
-
-        def loss_of_sums(sums, counts):  # a sum over pairs (rows i and i + P): see ONE_PASS_DPO_LOSS_TYPES
-            pref = preference(self.averaged(sums, counts))[0]
-            return self.alpha * nll_of_sums(sums, counts) + pref if self.compute_nll_loss else pref
-
-        one = None
-        if self.loss_type in ONE_PASS_DPO_LOSS_TYPES and batch == 2 * n_pairs > 0:
-            pair = torch.arange(batch, device=target.device) % n_pairs
-            one = self.one_pass(_input, lin_weight, bias, target, pair, loss_of_sums)
-        if one is not None:
-            loss, sums, counts = one
-            with torch.no_grad():
-                seq = self.averaged(sums, counts)
-                _, chosen_rewards, rejected_rewards = preference(seq)
-                nll = nll_of_sums(sums, counts) if self.compute_nll_loss else None
-        else:
-            seq, logp, rows, counts = self.sequence_logps(_input, lin_weight, bias, target)
-            nll = None
+                ref_seq = self.sequence_logps(ref_input, ref_weight, ref_bias, target)
+            ref = (ref_seq[:n_pairs], ref_seq[n_pairs:])
+        chosen_tokens = (target[:n_pairs] != self.ignore_index).sum()
+        batch = _Batch(n_pairs, *ref, chosen_tokens)
+        loss, sums, counts = self.policy_loss(_input, lin_weight, bias, target, batch)
+        with torch.no_grad():
+            seq = self.averaged(sums, counts)
+            _, chosen_rewards, rejected_rewards = self._preference(seq[:n_pairs], seq[n_pairs:], batch, ref)
             if self.compute_nll_loss:
-                chosen_tok = (rows < n_pairs).to(logp.dtype)
-                nll = -(logp * chosen_tok).sum() / counts[:n_pairs].sum()
-            pref_loss, chosen_rewards, rejected_rewards = preference(seq)
-            loss = self.alpha * nll + pref_loss if self.compute_nll_loss else pref_loss
-        if nll is None:
-            # Liger returns 0.0 / count here; we return a plain 0 (Liger's is NaN when every chosen row is
-            # fully ignored, which would poison the loss even without the NLL term).
-            nll = torch.zeros((), dtype=torch.float32, device=_input.device)
-        chosen_logps, rejected_logps = seq[:n_pairs], seq[n_pairs:]
-
-        row_sums = row_logit_sums(_input, lin_weight, bias)
-        denom = float(n_pairs * seq_len * vocab)
-        chosen_logits_mean = row_sums[:n_pairs].sum() / denom
-        rejected_logits_mean = row_sums[n_pairs:].sum() / denom
-
+                nll = -sums[:n_pairs].sum() / chosen_tokens
+            else:  # Liger returns 0.0 / count here: NaN when every chosen row is fully ignored
+                nll = torch.zeros((), dtype=torch.float32, device=_input.device)
+            row_sums = row_logit_sums(_input, lin_weight, bias)
+        denom = float(n_pairs * seq_len * lin_weight.shape[0])
         metrics = (
-            chosen_logps.detach(),
-            rejected_logps.detach(),
-            chosen_logits_mean,
-            rejected_logits_mean,
-            nll.detach(),
-            chosen_rewards.detach(),
-            rejected_rewards.detach(),
+            seq[:n_pairs],
+            seq[n_pairs:],
+            row_sums[:n_pairs].sum() / denom,
+            row_sums[n_pairs:].sum() / denom,
+            nll,
+            chosen_rewards,
+            rejected_rewards,
         )
         return loss, metrics
+
+    def group_of_row(self, batch_size, device):
+        return torch.arange(batch_size, device=device) % (batch_size // 2)  # pair i: rows i and i + P
+
+    def group_loss(self, sums, counts, group, batch: _Batch):
+        """Pair ``group``'s term: its preference loss / P, plus ``alpha`` x its share of the NLL term."""
+        seq = self.averaged(sums, counts)
+        refs = tuple(None if r is None else r[group : group + 1] for r in (batch.ref_chosen, batch.ref_rejected))
+        loss = self._preference(seq[0:1], seq[1:2], batch, refs)[0]
+        if self.compute_nll_loss:
+            loss = loss - self.alpha * sums[0] / batch.chosen_tokens
+        return loss
+
+    def _preference(self, chosen, rejected, batch: _Batch, refs):
+        return dpo_preference_loss(
+            chosen,
+            rejected,
+            *refs,
+            batch.n_pairs,
+            beta=self.beta,
+            loss_type=self.loss_type,
+            label_smoothing=self.label_smoothing,
+            discopop_tau=self.discopop_tau,
+        )

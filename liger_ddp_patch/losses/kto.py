@@ -24,14 +24,18 @@ Metrics (detached fp32 scalars), in order:
     chosen_logits_sum  = Σ_{u_i} Σ_{t,v} logits,  rejected_logits_sum  = Σ_{¬u_i} Σ_{t,v} logits
         (over *all* positions, ignored ones included, as in Liger; computed without a GEMM),
     chosen_rewards_sum = Σ_{u_i} β r_i,           rejected_rewards_sum = Σ_{¬u_i} β r_i.
+
+Every row is its own group: the base (``_base``) sums ``loss_i / B`` over rows (``ChunkedKTOLoss.group_loss``).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from ._core import ChunkedLinearLoss, row_logit_sums
-from ._core import check_reference as _check_reference
+from ._base import ChunkedLinearLoss
+from ._kernels import check_reference, row_logit_sums
 
 __all__ = ["ChunkedKTOLoss", "kto_preference_loss"]
 
@@ -47,6 +51,15 @@ def kto_preference_loss(logps, preference_labels, ref_logps=None, beta=0.1, kl=N
     chosen_rewards_sum = (rewards * labels).sum()
     rejected_rewards_sum = (rewards * ~labels).sum()
     return losses.sum() / logps.shape[0], chosen_rewards_sum, rejected_rewards_sum
+
+
+class _Batch(NamedTuple):
+    """The batch constants of one KTO call: what a row's loss reads besides its own sum."""
+
+    labels: torch.Tensor  # (B,) bool
+    ref_logps: torch.Tensor | None  # (B,) or None
+    kl: torch.Tensor | None  # detached scalar or (B,), or None
+    size: int
 
 
 class ChunkedKTOLoss(ChunkedLinearLoss):
@@ -80,7 +93,10 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
         )
 
     def extra_repr(self) -> str:
-        return f"beta={self.beta}, use_ref_model={self.use_ref_model}, token_chunk_size={self.token_chunk_size}"
+        return (
+            f"beta={self.beta}, use_ref_model={self.use_ref_model}, token_chunk_size={self.token_chunk_size}, "
+            f"one_pass={self.one_pass}"
+        )
 
     def forward(
         self,
@@ -107,42 +123,36 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
         if preference_labels is None:
             # Same exception type as Liger's `assert preference_labels is not None, ...`
             raise AssertionError("preference_labels must be provided for unpaired preference loss")
-        _check_reference(self.use_ref_model, ref_input, ref_weight)
+        check_reference(self.use_ref_model, ref_input, ref_weight)
         labels = preference_labels.to(device=_input.device, dtype=torch.bool)
         ref_logps = None
         if self.use_ref_model:
             with torch.no_grad():
-                ref_logps = self.sequence_logps(ref_input, ref_weight, ref_bias, target)[0]
-        if kl is not None and isinstance(kl, torch.Tensor):
+                ref_logps = self.sequence_logps(ref_input, ref_weight, ref_bias, target)
+        if isinstance(kl, torch.Tensor):
             kl = kl.detach()
-
-        def kto(logps):
-            return kto_preference_loss(logps, labels, ref_logps, beta=self.beta, kl=kl)
-
-        # every row is its own group: loss_i reads only logp_i (kl is a detached batch constant)
-        rows = torch.arange(target.shape[0], device=target.device)
-        one = self.one_pass(_input, lin_weight, bias, target, rows, lambda s, c: kto(self.averaged(s, c))[0])
-        if one is not None:
-            loss, sums, counts = one
-            with torch.no_grad():
-                logps = self.averaged(sums, counts)
-                _, chosen_rewards_sum, rejected_rewards_sum = kto(logps)
-        else:
-            logps = self.sequence_logps(_input, lin_weight, bias, target)[0]
-            loss, chosen_rewards_sum, rejected_rewards_sum = kto(logps)
+        batch = _Batch(labels, ref_logps, kl, target.shape[0])
+        loss, sums, counts = self.policy_loss(_input, lin_weight, bias, target, batch)
         with torch.no_grad():
-            lg = logps.detach()
-            chosen_logps_sum = (lg * labels).sum()
-            rejected_logps_sum = (lg * ~labels).sum()
+            logps = self.averaged(sums, counts)
+            _, chosen_rewards_sum, rejected_rewards_sum = kto_preference_loss(logps, labels, ref_logps, self.beta, kl)
             row_sums = row_logit_sums(_input, lin_weight, bias)
-            chosen_logits_sum = (row_sums * labels).sum()
-            rejected_logits_sum = (row_sums * ~labels).sum()
-        metrics = (
-            chosen_logps_sum,
-            rejected_logps_sum,
-            chosen_logits_sum,
-            rejected_logits_sum,
-            chosen_rewards_sum.detach(),
-            rejected_rewards_sum.detach(),
-        )
+            metrics = (
+                (logps * labels).sum(),
+                (logps * ~labels).sum(),
+                (row_sums * labels).sum(),
+                (row_sums * ~labels).sum(),
+                chosen_rewards_sum,
+                rejected_rewards_sum,
+            )
         return loss, metrics
+
+    def group_loss(self, sums, counts, group, batch: _Batch):
+        """Row ``group``'s term: ``loss_i / B`` (``kl`` is a detached batch constant)."""
+
+        def one(t):  # this row's entry of a per-row constant (a scalar kl is the same for every row)
+            return t[group : group + 1] if isinstance(t, torch.Tensor) and t.dim() > 0 else t
+
+        logps = self.averaged(sums, counts)
+        loss = kto_preference_loss(logps, one(batch.labels), one(batch.ref_logps), self.beta, one(batch.kl))[0]
+        return loss / batch.size

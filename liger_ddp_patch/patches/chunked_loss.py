@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import settings
 from . import _shape
 from .trainers import TrainerSpec
 
@@ -43,7 +44,8 @@ def swap(trainer: Any, fused: type | None, spec: TrainerSpec) -> str:
     """Give ``trainer`` our loss in place of its fused one (settings kept); say what happened, for the record.
 
     Called only when the trainer runs under DistributedDataParallel, so every other configuration keeps TRL's own
-    loss object. ``fused`` is the class ``spec``'s chunked-loss record checked (``None`` when it is not applied).
+    loss object. ``fused`` is the class ``spec``'s chunked-loss record checked (``None`` when it is not applied). The
+    fused loss has no ``one_pass`` / ``token_chunk_size``: ``LIGER_DDP_PATCH_LOSS`` sets them (read here, at the swap).
     """
     attribute = spec.loss_attribute(trainer)
     if attribute is None:
@@ -55,11 +57,18 @@ def swap(trainer: Any, fused: type | None, spec: TrainerSpec) -> str:
         return f"fused loss {type(loss).__name__} kept ({patch} is not applied)"
     if type(loss) is not fused:
         return f"loss {type(loss).__name__} kept (not the {fused.__name__} that {patch} checked)"
-    settings = {p: getattr(loss, p) for p in _shape.parameters(ours.__init__)[1:] if hasattr(loss, p)}
-    replacement = ours(**settings)
-    setattr(replacement, _SWAPPED, f"fused loss {fused.__name__} → {ours.__name__}")
+    accepted = _shape.parameters(ours.__init__)[1:]
+    kept = {p: getattr(loss, p) for p in accepted if hasattr(loss, p)}
+    options = {k: v for k, v in settings.loss_options().overrides().items() if k in accepted}
+    replacement = ours(**kept, **options)
+    said = f"fused loss {fused.__name__} → {ours.__name__}"
+    if options:
+        said += (
+            f" ({settings.LOSS}: {', '.join(f'{k}={int(v) if type(v) is bool else v}' for k, v in options.items())})"
+        )
+    setattr(replacement, _SWAPPED, said)
     setattr(trainer, attribute, replacement)
-    return getattr(replacement, _SWAPPED)
+    return said
 
 
 _SWAPPED = "_liger_ddp_patch_swapped"  # what swap() said when it made this loss: later calls say the same

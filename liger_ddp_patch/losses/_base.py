@@ -1,0 +1,132 @@
+"""The base of the chunked losses: a loss is a sum of per-group terms, and the base does the summing.
+
+A loss module (``dpo.py``, ``kto.py``) says which rows form a group (:meth:`ChunkedLinearLoss.group_of_row`: a DPO
+pair is rows ``i`` and ``i + P``, a KTO row is its own group) and the loss of *one* group
+(:meth:`ChunkedLinearLoss.group_loss`) from that group's per-row sums of token log-probs, its token counts and the
+batch constants of the call.  The base evaluates each group's term on that group's values alone and adds the terms,
+so a loss that couples groups (a batch mean, a ranking) cannot be written through this interface: that is what
+makes the one-pass path (``_onepass``, which forms a group's gradient as soon as its last token has passed) exact
+by construction, like Liger's chunked base whose subclasses return the loss of one chunk of pairs.
+
+A loss that is not a sum over groups overrides :meth:`ChunkedLinearLoss.batch_loss` instead; it always takes the
+two-pass path, and :attr:`ChunkedLinearLoss.last_path` says why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _kernels, _onepass, _twopass
+from ._kernels import Plan, needs_grad, resolve_token_chunk_size
+
+__all__ = ["ChunkedLinearLoss", "GroupedLoss"]
+
+ONE_PASS, TWO_PASS, NO_GRAD = "one-pass", "two-pass", "forward only"
+NOT_A_SUM = "the loss is not a sum over groups (batch_loss): one pass would be wrong"
+
+
+class GroupedLoss:
+    """``sum_g term(S[rows_g], counts[rows_g], g, batch)``: every term sees its own group's rows only."""
+
+    def __init__(self, term, group_of_row: torch.Tensor, counts: torch.Tensor, batch):
+        self.term, self.counts, self.batch, self.group_of_row = term, counts, batch, group_of_row
+        ids = group_of_row.tolist()
+        self.rows = {
+            g: torch.tensor([r for r, x in enumerate(ids) if x == g], device=counts.device) for g in dict.fromkeys(ids)
+        }
+
+    def terms(self, sums: torch.Tensor, groups) -> torch.Tensor:
+        parts = []
+        for g in groups:
+            part = self.term(sums[self.rows[g]], self.counts[self.rows[g]], g, self.batch)
+            if part.dim() != 0:
+                raise ValueError(f"group_loss must return a scalar (the loss of one group), got shape {part.shape}")
+            parts.append(part)
+        return torch.stack(parts).sum() if parts else sums.new_zeros(())
+
+    def __call__(self, sums: torch.Tensor) -> torch.Tensor:
+        return self.terms(sums, self.rows)
+
+    def gradient(self, sums: torch.Tensor, groups) -> torch.Tensor:
+        """``d/dS`` of the named groups' terms (zero on the other rows), at ``sums``."""
+        with torch.enable_grad():
+            s = sums.detach().clone().requires_grad_(True)
+            (grad,) = torch.autograd.grad(self.terms(s, groups), s, allow_unused=True)
+        return torch.zeros_like(sums) if grad is None else grad
+
+
+class ChunkedLinearLoss(torch.nn.Module):
+    """The options every chunked loss has, per-sequence log-probs, and the policy loss as a sum over groups."""
+
+    def __init__(
+        self, ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size, one_pass=True
+    ):
+        super().__init__()
+        if token_chunk_size is not None:
+            resolve_token_chunk_size(token_chunk_size, 1)  # validate early
+        self.ignore_index = ignore_index
+        self.beta = beta
+        self.compiled = compiled  # accepted for drop-in compatibility; nothing here is compiled
+        self.use_ref_model = use_ref_model
+        self.average_log_prob = average_log_prob
+        self.chunk_size = chunk_size  # accepted for drop-in compatibility; token_chunk_size bounds memory
+        self.token_chunk_size = token_chunk_size
+        # True: gradients formed in the forward (``_onepass``) when one is needed; False: the two-pass path, which
+        # holds no gradient between forward and backward (and no (V, H) sum for a pair longer than a chunk)
+        self.one_pass = bool(one_pass)
+        self.last_path, self.last_chunk = None, None  # what the last forward did (diagnostics)
+
+    # ------------------------------------------------------------------------------------- what a loss provides
+
+    def group_of_row(self, batch_size: int, device) -> torch.Tensor:
+        """``(B,)`` int64: the group of every row (default: every row is its own group)."""
+        return torch.arange(batch_size, device=device)
+
+    def group_loss(self, sums: torch.Tensor, counts: torch.Tensor, group: int, batch) -> torch.Tensor:
+        """The loss of one group (a scalar): ``sums``/``counts`` are its rows' raw sums of token log-probs and
+        non-ignored token counts, in row order; ``batch`` holds the batch constants the forward passed."""
+        raise NotImplementedError
+
+    def batch_loss(self, sums: torch.Tensor, counts: torch.Tensor, batch) -> torch.Tensor | None:
+        """Override only for a loss that is *not* a sum over groups (it then always takes the two-pass path)."""
+        return None
+
+    # ------------------------------------------------------------------------------------------- shared pieces
+
+    def averaged(self, sums, counts):
+        """Per-sequence log-probs from the per-row sums: ÷ token count with ``average_log_prob``."""
+        return sums / counts if self.average_log_prob else sums  # 0/0 -> NaN for a fully ignored row, as in Liger
+
+    def sequence_logps(self, hidden, weight, bias, target):
+        """Per-sequence log-probs (the reference model's, or a forward without gradient)."""
+        logp, rows, counts = _twopass.token_logprobs(
+            hidden, weight, bias, target, self.ignore_index, self.token_chunk_size
+        )
+        return self.averaged(_kernels.sequence_sums(logp, rows, target.shape[0]), counts)
+
+    def policy_loss(self, hidden, weight, bias, target, batch):
+        """``(loss, per-row sums S (detached), counts)`` of the policy: the one-pass path when a gradient is needed
+        and the loss is a sum over groups (unless ``one_pass=False``), else the two-pass path; recorded in
+        :attr:`last_path` / :attr:`last_chunk`."""
+        sel = _kernels.select_tokens(hidden, target, self.ignore_index)
+        plan = Plan.of(hidden, weight, self.token_chunk_size)
+        path, loss_of = self._path(needs_grad(hidden, weight, bias), sel, batch)
+        self.last_path, self.last_chunk = path, plan.chunk
+        if path == ONE_PASS:
+            schedule = _onepass.group_chunks(sel.rows, loss_of.group_of_row, sel.counts, plan.chunk)
+            loss, sums = _onepass.OnePassLoss.apply(sel.hidden2d, weight, bias, sel, plan, schedule, loss_of)
+            return loss, sums, sel.counts
+        sums = _kernels.sequence_sums(_twopass.selected_logprobs(sel, weight, bias, plan), sel.rows, target.shape[0])
+        return loss_of(sums), sums.detach(), sel.counts
+
+    def _path(self, grad: bool, sel, batch):
+        """``(the path, the loss as a function of the per-row sums)``."""
+        if type(self).batch_loss is not ChunkedLinearLoss.batch_loss:  # a whole-batch loss: never one pass
+            return (f"{TWO_PASS}: {NOT_A_SUM}" if grad else NO_GRAD), lambda sums: self.batch_loss(
+                sums, sel.counts, batch
+            )
+        group_of_row = self.group_of_row(sel.counts.shape[0], sel.counts.device)
+        loss_of = GroupedLoss(self.group_loss, group_of_row, sel.counts, batch)
+        if not grad:
+            return NO_GRAD, loss_of
+        return (ONE_PASS if self.one_pass else f"{TWO_PASS}: one_pass=False"), loss_of

@@ -1,0 +1,337 @@
+"""The shared head kernels: the bottom layer of the losses (imports nothing of the package).
+
+What both paths (``_twopass``, ``_onepass``) need: the :class:`Plan` of a call (token chunk, compute dtype,
+memory budget), the ``(chunk, V)`` logits buffers, the in-place softmax, the GEMM that accumulates in fp32, the
+selection of the tokens that carry a loss, and the GEMM-free logit sums the metrics report.
+
+Memory: one budget (:func:`logits_budget_bytes`: 128 MiB on CPU, 1 GiB on an accelerator) bounds every
+temporary: the default token chunk is ``budget / (V * bytes per logit)``, and in half precision the two-pass
+backward walks the vocabulary in blocks of at most ``V / 4`` rows and ``budget / (4 H)`` rows
+(:func:`vocab_block_rows`), so that the fp32 accumulator of the weight gradient is one ``(block, H)`` tile.
+Where torch can multiply half-precision matrices into an fp32 output (``torch.addmm(..., out_dtype=torch.float32)``:
+CUDA, the ``aten::addmm.dtype`` overload of torch >= 2.8, PR #150812, with an fp32 ``self`` from torch 2.10,
+PR #167931; not on CPU), the tile is accumulated in place with no product tile; elsewhere the product is formed in
+the compute dtype and added.
+
+Precision: the GEMMs run in the *compute dtype*: the autocast dtype when ``torch.autocast`` is on for the inputs'
+device (as autocast would run ``F.linear``; fp64 inputs are left alone, as autocast does), else the inputs' dtype.
+Both paths run with autocast off (:func:`no_autocast`), so a recomputed softmax is the one whose log-sum-exp was
+stored.  The log-sum-exp, the softmax, all reductions and the gradient accumulators are fp32 (fp64 for fp64
+inputs, :attr:`Plan.mdtype`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "DEFAULT_MAX_CHUNK_ELEMENTS",
+    "LOGITS_BUDGET_BYTES",
+    "LogitsBuffers",
+    "Plan",
+    "Selection",
+    "add_product",
+    "check_reference",
+    "compute_dtype",
+    "fp32_output_gemm",
+    "fused_log_softmax",
+    "logits_budget_bytes",
+    "needs_grad",
+    "no_autocast",
+    "resolve_token_chunk_size",
+    "row_logit_sums",
+    "select_tokens",
+    "sequence_sums",
+    "softmax_",
+    "vocab_block_rows",
+]
+
+# Bytes one token chunk may spend on its logits (and, in half precision, the weight-gradient tile).  CPU: 128 MiB
+# (fp32: chunk * V <= 2**25).  Accelerators: 1 GiB, so that at Qwen's V = 151,936 a chunk is ~1,700 rows (an
+# H100/H200 GEMM wants well over ~220 rows) while staying a small slice of an 80-141 GB device.
+LOGITS_BUDGET_BYTES = {"cpu": 128 << 20, "accelerator": 1 << 30}
+DEFAULT_MAX_CHUNK_ELEMENTS = LOGITS_BUDGET_BYTES["cpu"] // 4  # kept for compatibility: the CPU fp32 budget
+MAX_DEFAULT_CHUNK = 8192
+
+
+def logits_budget_bytes(device=None) -> int:
+    """The default per-chunk memory budget for ``device`` (a ``torch.device``, a type string, or None = CPU)."""
+    kind = "cpu" if device is None else torch.device(device).type
+    return LOGITS_BUDGET_BYTES["cpu" if kind == "cpu" else "accelerator"]
+
+
+@functools.cache
+def fp32_output_gemm(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(fp32_acc, a, b, out_dtype=torch.float32, out=fp32_acc)`` works for half ``a, b`` here.
+
+    Probed once per (device type, dtype) on 2x2 tensors, result checked: CUDA with torch >= 2.10 says yes,
+    CPU (no kernel) and older torch say no, and then the callers fall back to a product in the compute dtype.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        a = torch.ones(2, 2, dtype=dtype, device=device_type)
+        acc = torch.ones(2, 2, dtype=torch.float32, device=device_type)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        logits = torch.mm(a, a, out_dtype=torch.float32)
+        return bool((acc == 3).all()) and logits.dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError, ValueError, AssertionError):
+        return False
+
+
+def fp32_out(device, dtype) -> bool:
+    """Whether the GEMMs of ``dtype`` on ``device`` write fp32 themselves (never on CPU)."""
+    kind = "cpu" if device is None else torch.device(device).type
+    return kind != "cpu" and fp32_output_gemm(kind, dtype)
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (TypeError, RuntimeError, ValueError):  # torch < 2.4, or a device type autocast does not know
+        pass
+    return None
+
+
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The GEMM dtype: autocast's when it is on for this device (fp64 excepted, as autocast does), else the inputs'."""
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    auto = _autocast_dtype(hidden.device.type)
+    return auto if auto is not None and dtype != torch.float64 else dtype
+
+
+def no_autocast(device: torch.device):
+    """Our GEMMs cast explicitly to the compute dtype: autocast must not re-cast them (nor the fp32 math)."""
+    if _autocast_dtype(device.type) is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
+def math_dtype(cdtype: torch.dtype) -> torch.dtype:
+    """The dtype of the softmax, the reductions and the accumulators: fp64 for fp64, else fp32."""
+    return torch.float64 if cdtype == torch.float64 else torch.float32
+
+
+def resolve_token_chunk_size(
+    token_chunk_size: int | None,
+    vocab_size: int,
+    device=None,
+    compute_dtype: torch.dtype = torch.float32,
+    budget_bytes: int | None = None,
+) -> int:
+    """Number of (non-ignored) tokens projected at once.
+
+    ``None`` fits one chunk's logits into :func:`logits_budget_bytes` of ``device``: ``budget // (V * b)``
+    tokens, clipped to ``[1, 8192]``, with ``b`` = 4 bytes per fp32 logit, plus the half-precision GEMM output
+    when the GEMM cannot write fp32 itself.  CPU fp32 at ``V = 32000``: 1048 tokens; an accelerator in bf16 at
+    ``V = 151,936``: 1766 tokens (1177 without an fp32-output GEMM).
+    """
+    if token_chunk_size is None:
+        budget = logits_budget_bytes(device) if budget_bytes is None else int(budget_bytes)
+        per_logit = math_dtype(compute_dtype).itemsize
+        if compute_dtype.itemsize < per_logit and not fp32_out(device, compute_dtype):
+            per_logit += compute_dtype.itemsize
+        return max(1, min(MAX_DEFAULT_CHUNK, budget // (per_logit * max(1, int(vocab_size)))))
+    if isinstance(token_chunk_size, bool) or int(token_chunk_size) != token_chunk_size or token_chunk_size < 1:
+        raise ValueError(f"token_chunk_size must be a positive integer or None (auto), got {token_chunk_size!r}")
+    return int(token_chunk_size)
+
+
+def vocab_block_rows(vocab_size: int, hidden_size: int, budget_bytes: int) -> int:
+    """Rows of the vocabulary per backward block in half precision: <= V/4 and <= budget / (4 H)."""
+    return max(1, min(-(-vocab_size // 4), budget_bytes // (4 * max(1, hidden_size))))
+
+
+class Plan(NamedTuple):
+    """How one call runs: ``chunk`` tokens per GEMM, the GEMM dtype ``cdtype``, the accumulation dtype ``mdtype``,
+    the per-chunk memory ``budget`` (bytes) and ``fast`` (the GEMM writes fp32 from half inputs)."""
+
+    chunk: int
+    cdtype: torch.dtype
+    mdtype: torch.dtype
+    budget: int
+    fast: bool
+
+    @classmethod
+    def of(cls, hidden: torch.Tensor, weight: torch.Tensor, token_chunk_size: int | None) -> Plan:
+        cdtype = compute_dtype(hidden, weight)
+        budget = logits_budget_bytes(hidden.device)
+        chunk = resolve_token_chunk_size(token_chunk_size, weight.shape[0], hidden.device, cdtype, budget)
+        return cls(chunk, cdtype, math_dtype(cdtype), budget, fp32_out(hidden.device, cdtype))
+
+    def block_rows(self, weight: torch.Tensor) -> int:
+        """Vocabulary rows per block where the weight gradient needs an fp32 tile (half precision, or a weight of
+        another dtype than the GEMMs'); the whole vocabulary otherwise."""
+        V, H = weight.shape
+        blocked = self.cdtype.itemsize < self.mdtype.itemsize or weight.dtype != self.cdtype
+        return vocab_block_rows(V, H, self.budget) if blocked else V
+
+
+def check_reference(use_ref_model, ref_input, ref_weight) -> None:
+    """With ``use_ref_model`` the reference tensors are required.
+
+    Exception types mirror what the fused Liger/TRL losses end up raising for the same mistake
+    (``TypeError`` for a missing ``ref_input`` -- from ``torch.chunk(None)`` -- and ``AttributeError`` for a
+    missing ``ref_weight`` -- from ``None.t()``), but with a clear message.
+    """
+    if not use_ref_model:
+        return
+    if ref_input is None:
+        raise TypeError("use_ref_model=True but ref_input is None: pass the reference model's hidden states")
+    if ref_weight is None:
+        raise AttributeError("use_ref_model=True but ref_weight is None: pass the reference model's LM-head weight")
+
+
+def needs_grad(hidden, weight, bias) -> bool:
+    needs = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    return torch.is_grad_enabled() and needs
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fast: bool) -> torch.Tensor:
+    """Fresh fp32 (fp64 for fp64) ``(c, Vb)`` logits of a chunk; ``h`` and ``w`` are in the compute dtype."""
+    if h.dtype in (torch.float32, torch.float64):
+        return h @ w.t() if bias is None else torch.addmm(bias.to(h.dtype), h, w.t())
+    logits = torch.mm(h, w.t(), out_dtype=torch.float32) if fast else (h @ w.t()).float()
+    if bias is not None:
+        logits += bias
+    return logits
+
+
+class LogitsBuffers:
+    """The ``(chunk, V)`` buffers of one call, reused by every chunk where that pays: on CPU a fresh multi-MB tensor
+    per chunk costs its page faults again (glibc hands large blocks back to the OS); on an accelerator the caching
+    allocator already reuses memory, and the fp32-output GEMM writes a fresh tensor.  One fp32 (fp64) logits
+    block, plus the half-precision GEMM output when the GEMM cannot write fp32 itself."""
+
+    def __init__(self, rows: int, vocab: int, plan: Plan, device: torch.device):
+        self.fast = plan.fast
+        self.reuse = device.type == "cpu" and not plan.fast and rows > 0
+        self.full = torch.empty(rows * vocab, dtype=plan.mdtype, device=device) if self.reuse else None
+        half = self.reuse and plan.cdtype != plan.mdtype
+        self.half = torch.empty(rows * vocab, dtype=plan.cdtype, device=device) if half else None
+
+    @staticmethod
+    def _block(buf, rows, cols):  # a contiguous (rows, cols) view at the start of the buffer
+        return buf[: rows * cols].view(rows, cols)
+
+    def logits(self, h, w, bias):
+        """fp32 (fp64) ``h @ w.T + b``; ``h``, ``w`` in the compute dtype."""
+        if not self.reuse:
+            return _logits(h, w, bias, self.fast)
+        out = self._block(self.full, h.shape[0], w.shape[0])
+        if self.half is None:
+            torch.mm(h, w.t(), out=out) if bias is None else torch.addmm(bias.to(h.dtype), h, w.t(), out=out)
+            return out
+        out.copy_(torch.mm(h, w.t(), out=self._block(self.half, h.shape[0], w.shape[0])))
+        if bias is not None:
+            out += bias
+        return out
+
+    def lowp(self, grad_logits, cdtype):
+        """``grad_logits`` in the compute dtype (into the half buffer, whose logits are no longer needed)."""
+        if grad_logits.dtype == cdtype:
+            return grad_logits
+        if self.half is None:
+            return grad_logits.to(cdtype)
+        return self._block(self.half, *grad_logits.shape).copy_(grad_logits)
+
+
+def fused_log_softmax(device: torch.device) -> bool:
+    """Whether :func:`softmax_` takes one fused in-place ``log_softmax`` (CPU) or the max / exp / sum steps with a
+    row scale left to the caller (elsewhere).  A function, so that the tests can run the second branch on CPU."""
+    return device.type == "cpu"
+
+
+def softmax_(logits: torch.Tensor, labels: torch.Tensor, probs: bool = True):
+    """In place: ``logits`` becomes ``softmax(logits) * scale`` (``scale`` None: 1); returns the target log-probs,
+    the log-sum-exps and ``scale`` (per row).  ``probs=False``: only the first two are wanted.
+
+    CPU: one fused in-place ``log_softmax`` (each row stays in cache for its max, sum and write) and ``exp_``.
+    Elsewhere: max, ``sub_``, ``exp_``, sum, with ``1 / sum`` returned as the scale for the caller to fold in."""
+    tgt = logits.gather(1, labels).squeeze(1)
+    if fused_log_softmax(logits.device):
+        torch._log_softmax(logits, 1, False, out=logits)
+        logp = logits.gather(1, labels).squeeze(1)
+        if probs:
+            logits.exp_()
+        return logp, tgt - logp, None
+    m = logits.amax(dim=1, keepdim=True)
+    logits.sub_(m).exp_()
+    sumexp = logits.sum(dim=1)
+    lse = sumexp.log().add_(m.squeeze(1))
+    return tgt - lse, lse, sumexp.reciprocal_()
+
+
+def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fast: bool) -> None:
+    """``acc += a @ b`` with ``acc`` fp32/fp64 and ``a, b`` in the compute dtype, without an ``acc``-sized copy
+    when torch can write fp32 from half inputs (else one product tile in the compute dtype)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif fast:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.add_(a @ b)
+
+
+class Selection(NamedTuple):
+    """The tokens that carry a loss: ``hidden2d`` ``(B L, H)``, their flat ``positions``, ``labels`` and batch
+    ``rows`` (``(N,)`` each, row-major), and ``counts`` ``(B,)``, the non-ignored tokens per row."""
+
+    hidden2d: torch.Tensor
+    positions: torch.Tensor
+    labels: torch.Tensor
+    rows: torch.Tensor
+    counts: torch.Tensor
+
+
+def select_tokens(hidden, target, ignore_index) -> Selection:
+    """Only the non-ignored positions are projected: an ignored position carries no loss and no gradient."""
+    if hidden.dim() != 3 or target.dim() != 2 or hidden.shape[:2] != target.shape:
+        raise ValueError(
+            f"expected hidden states of shape (B, L, H) and target of shape (B, L); got {tuple(hidden.shape)} "
+            f"and {tuple(target.shape)}"
+        )
+    B, L, H = hidden.shape
+    mask = target != ignore_index
+    positions = mask.reshape(-1).nonzero().squeeze(1)
+    labels = target.reshape(-1).index_select(0, positions)
+    rows = torch.div(positions, L, rounding_mode="floor") if L > 0 else positions
+    return Selection(hidden.reshape(B * L, H), positions, labels, rows, mask.sum(dim=1))
+
+
+def sequence_sums(logp, rows, batch_size):
+    """Differentiable per-row sums of per-token values (fp32)."""
+    return torch.zeros(batch_size, dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
+
+
+def _column_sums(weight):
+    """``weight.sum(0)`` in fp32.  A half-precision ``sum(dim=0, dtype=float32)`` converts the whole ``(V, H)``
+    weight to fp32 first (a hidden ``4 V H``-byte temporary): sum blocks of <= 8192 and <= V / 8 rows instead."""
+    if weight.dtype == torch.float32:
+        return weight.sum(dim=0)
+    block = max(1, min(8192, -(-weight.shape[0] // 8)))
+    out = torch.zeros(weight.shape[1], dtype=torch.float32, device=weight.device)
+    for v0 in range(0, weight.shape[0], block):
+        out += weight[v0 : v0 + block].sum(dim=0, dtype=torch.float32)
+    return out
+
+
+def row_logit_sums(hidden, weight, bias):
+    """``sum_{t, v} logits[b, t, v]`` for every row ``b`` over *all* positions, without a GEMM.
+
+    ``sum_v (h_t . W_v + b_v) = h_t . (sum_v W_v) + sum_v b_v``, so the row total is
+    ``(sum_t h_t) . (sum_v W_v) + L * sum_v b_v`` -- O((B L + V) H) work instead of a (B L) x H x V GEMM.
+    Computed in fp32 (no gradient), autocast or not.
+    """
+    with torch.no_grad(), no_autocast(hidden.device):
+        L = hidden.shape[1]
+        hsum = hidden.sum(dim=1, dtype=torch.float32)  # (B, H)
+        out = hsum @ _column_sums(weight)
+        if bias is not None:
+            out = out + L * bias.sum(dtype=torch.float32)
+    return out
