@@ -28,7 +28,7 @@ def records(spec: TrainerSpec) -> tuple[Patch, ...]:
             name=spec.compute_loss_patch,
             module=spec.hooked_modules,
             attribute=(f"{spec.trainer}.compute_loss",),
-            check=compute_loss.check,
+            check=compute_loss.checker(spec),
             replace=compute_loss.replacer(spec),
             summary=f"routes the Liger {label} loss of trainers that run under DistributedDataParallel through the "
             "wrapper's forward; every other setup runs TRL's own code",

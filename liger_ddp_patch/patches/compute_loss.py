@@ -81,8 +81,11 @@ def _owner(func: Any) -> Any:
     return owner if isinstance(owner, type) else None
 
 
-def shape(original: Any) -> tuple[str | None, str]:
-    """``(shape name, "")`` when ``original`` is a compute_loss we know how to fix, else ``(None, why not)``."""
+def shape(original: Any, names: tuple[str, ...] | None = None) -> tuple[str | None, str]:
+    """``(shape name, "")`` when ``original`` is a compute_loss we know how to fix, else ``(None, why not)``.
+
+    ``names``: only these keys of :data:`SHAPES` (a spec's own shapes); default every one.
+    """
     if not callable(original):
         return None, f"compute_loss is a {type(original).__name__}, not a function"
     if _shape.parameters(original) != _SIGNATURE:
@@ -97,6 +100,8 @@ def shape(original: Any) -> tuple[str | None, str]:
         return None, "compute_loss already redirects when `model is not unwrapped_model` (upstream's fix)"
     misses = {}
     for name, required in SHAPES.items():
+        if names is not None and name not in names:
+            continue
         why = _shape.missing(source, required)
         if why is None and name == "batch_metrics":
             owner = _owner(original)
@@ -118,6 +123,17 @@ def shape(original: Any) -> tuple[str | None, str]:
 def check(original: Any) -> str | None:
     name, why = shape(original)
     return None if name else why
+
+
+def checker(spec: TrainerSpec) -> Callable[[Any], str | None]:
+    """The shape check of ``spec``'s compute_loss: one of the shapes its releases have."""
+    names = tuple(dict.fromkeys(s for _, s in spec.shapes if s in SHAPES))
+
+    def check(original: Any) -> str | None:
+        name, why = shape(original, names)
+        return None if name else why
+
+    return check
 
 
 def _uses_liger(trainer: Any, spec: TrainerSpec) -> bool:
@@ -209,7 +225,7 @@ def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
     checked: weakref.WeakSet = weakref.WeakSet()  # wrappers already looked at by pitfalls.warn (first routed call)
 
     def replace(original: Any, engine: Any) -> Any:
-        head_only = shape(original)[0] == "head_outside"  # TRL routes the decoder itself: only the head is at stake
+        head_only = shape(original, ("head_outside",))[0] == "head_outside"  # TRL routes the decoder itself: only the head is at stake
 
         @functools.wraps(original)
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
