@@ -1,0 +1,259 @@
+"""GKD, GOLD and Distillation (TRL issue #5282) on 2 CPU ranks: every fix beside the control that shows the bug.
+
+Each TRL release runs in two launches of the demo probe (package on with arms Liger and Liger-off; package off), each
+training several configurations in turn: a 64-token tiny Qwen3 student (untied head) and a frozen teacher with its
+own weights, SGD-free (one step's gradients are what is compared), fp32 (``bf16=False``), no gradient clipping.
+
+- TRL 1.0.0-1.5.1 (``decoder_unrouted``): unpatched, every trainable parameter differs across ranks; patched, none.
+  The patched run's first synchronised gradients must equal (within 1e-4 of each tensor's scale) the mean over the
+  ranks of the unpatched run's gradients -- TRL's own Liger loss, each rank on its own batch, averaged as DDP's
+  all-reduce averages -- and the Liger-off DDP run's, except where TRL's Liger path computes another loss (GKD 1.0-1.3
+  adds Liger's default hard cross-entropy term: there it must differ). A 1 % error in the loss fails both comparisons.
+- TRL 1.6.0-1.13.0 (``head_outside``): with ``ddp_find_unused_parameters=True`` and an untied trainable head TRL stops
+  with "Expected to mark a variable ready only once"; patched it trains, in sync, as Liger-off does. A tied head, a
+  frozen one (LoRA) and the default setting keep TRL's code: the patched gradients are the unpatched ones, bit for bit.
+- The teacher comes out of every run bit-identical; lmbda=1 generates every batch on-policy under DDP; LoRA on the
+  student; the real 151,936-token vocabulary runs inside DDP's forward; one process is TRL's code bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from liger_ddp_patch.demo import run_probe
+
+pytestmark = pytest.mark.ddp
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = str(ROOT / "sitecustomize_example")
+FULL = os.environ.get("LIGER_DDP_PATCH_FULL_MATRIX") == "1"
+BOUND = 1e-4  # of each tensor's scale (fp32)
+PARAMS, LORA, TIED = 25, 8, 24  # every trainable tensor of the student (untied head); LoRA A/B on q/v; tied head
+REJECTED = "Expected to mark a variable ready only once"
+
+# Per release: the configs one pair of launches runs (demo/probe.py CONFIGS; a trainer's name is its plain setup).
+RELEASES: dict[str, tuple[str, ...]] = {
+    "1.0.0": ("gkd", "gold", "gkd-onpolicy"),
+    "1.5.1": ("gkd", "gold", "distillation", "distillation-onpolicy", "distillation-lora"),
+    "1.6.0": ("gkd-find-unused", "distillation-find-unused", "gkd-find-unused-tied", "gkd-find-unused-lora", "gkd"),
+}
+FULL_RELEASES: dict[str, tuple[str, ...]] = {
+    "1.1.0": ("gkd", "gold", "distillation", "gold-onpolicy", "gkd-lora"),
+    "1.9.2": ("gold-find-unused", "distillation-find-unused", "gkd-find-unused-tied"),
+    "1.13.0": ("gkd-find-unused", "gold-find-unused", "gkd"),
+}
+# TRL's Liger loss differs from its non-Liger loss by design here (liger_settings facts): the comparison must fail.
+HARD_LOSS = {("gkd", v) for v in ("1.0.0", "1.1.0", "1.2.0", "1.3.0")}  # Liger's default weight_hard_loss=0.5
+
+
+def trl_dir(version: str) -> Path:
+    from test_versions import require
+
+    return require(version)
+
+
+def params_of(config: str) -> int:
+    return LORA if "lora" in config else TIED if "tied" in config else PARAMS
+
+
+def head_outside(version: str) -> bool:
+    """TRL 1.6.0+: TRL routes the decoder itself, only the head is used outside DDP's forward."""
+    from packaging.version import Version
+
+    return Version(version) >= Version("1.6.0")
+
+
+def routed(version: str, config: str) -> bool:
+    """Does the package route this config? 1.0-1.5.1: always under DDP; 1.6+: untied trainable head + find_unused."""
+    return config.endswith("-find-unused") if head_outside(version) else True
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    """``{version: (folder, patched, unpatched)}``, launched on first use (two torchrun launches per release)."""
+    from liger_ddp_patch.demo.tiny import build
+
+    assets = build(tmp_path_factory.mktemp("distill-tiny"), vocab_size=64)
+    done: dict = {}
+
+    def get(version: str):
+        if version not in done:
+            folder, configs = tmp_path_factory.mktemp(f"distill-{version}"), {**RELEASES, **FULL_RELEASES}[version]
+            path = (str(trl_dir(version)),)
+            # The patched launch also runs the sync verifier: it must stay silent.
+            patched = run_probe(assets, "before", pythonpath=path, env={"LIGER_DDP_PATCH_VERIFY": "1"},
+                                extra=("--configs", ",".join(configs), "--arms", "liger,off",
+                                       "--grads-out", str(folder / "p")))  # fmt: skip
+            unpatched = run_probe(
+                assets,
+                "none",
+                pythonpath=path,
+                env={"LIGER_DDP_PATCH_DISABLE": "1"},
+                extra=("--configs", ",".join(configs), "--grads-out", str(folder / "u")),
+            )
+            done[version] = folder, patched, unpatched
+        return done[version]
+
+    return get
+
+
+def result(launch: dict, config: str, arm: str = "liger") -> dict:
+    (found,) = [r for r in launch["results"] if r["config"] == config and r["arm"] == arm]
+    return found
+
+
+def relative(ours: dict, theirs: dict, scale: float = 1.0) -> float:
+    """max over tensors of max|scale * ours - theirs| / max|theirs| (an all-zero tensor must be matched exactly)."""
+    assert ours.keys() == theirs.keys()
+    worst = 0.0
+    for name, reference in theirs.items():
+        diff = (ours[name].float() * scale - reference.float()).abs().max().item()
+        size = reference.float().abs().max().item()
+        worst = max(worst, diff / size if size else (0.0 if diff == 0 else float("inf")))
+    return worst
+
+
+def grads(folder: Path, name: str) -> dict:
+    import torch
+
+    return torch.load(folder / f"{name}.pt")
+
+
+CASES = [(v, c) for v, configs in RELEASES.items() for c in configs]
+CASES += [(v, c) for v, configs in FULL_RELEASES.items() for c in configs if FULL]
+
+
+@pytest.mark.parametrize(("version", "config"), CASES, ids=[f"{v}-{c}" for v, c in CASES])
+def test_control_shows_the_bug_and_the_patch_syncs_every_parameter(launches, version, config):
+    folder, patched, unpatched = launches(version)
+    assert patched["trl"] == unpatched["trl"] == version
+    count = params_of(config)
+    for arm in ("liger", "off"):
+        run = result(patched, config, arm)
+        assert "error" not in run, run.get("trace", "") + patched["log"][-3000:]
+        assert (run["params"], run["trainable"], run["differing"], run["max_abs_diff"]) == (count, count, 0, 0.0), run
+        assert (run["teacher_changed"], run["teacher_params"]) == (0, PARAMS), run  # the teacher, bit for bit
+    assert (
+        "GradientDesyncError" not in patched["log"] and "GradientSyncVerifier" in result(patched, config)["callbacks"]
+    )
+    assert result(patched, config)["loss_class"] == "LigerFusedLinearJSDLoss"  # TRL's own loss object, kept
+    control = result(unpatched, config)
+    if not routed(version, config):  # left to TRL: it runs and stays in sync unpatched too
+        assert "error" not in control and (control["params"], control["differing"]) == (count, 0), control
+    elif head_outside(version):
+        assert REJECTED in control.get("error", ""), control
+    else:
+        assert "error" not in control, control.get("trace")
+        assert control["params"] == count and control["teacher_changed"] == 0, control
+        # every parameter desynced (LoRA: A gets no gradient at step 0, its B is still zero)
+        assert control["differing"] == (count // 2 if "lora" in config else count), control
+
+
+@pytest.mark.parametrize(("version", "config"), CASES, ids=[f"{v}-{c}" for v, c in CASES])
+def test_synchronised_gradients_are_trls_liger_loss(launches, version, config):
+    """vs the unpatched ranks' mean (TRL's own Liger loss, averaged as an all-reduce would) and vs Liger-off DDP."""
+    folder, patched, unpatched = launches(version)
+    ours = grads(folder, f"p.{config}")
+    off = grads(folder, f"p.{config}.off")
+    if routed(version, config) and head_outside(version):
+        reference = None  # TRL's own Liger run crashed: Liger-off is the reference
+    elif routed(version, config):
+        reference = grads(folder, f"u.{config}.mean")
+    else:  # TRL's code ran: the very gradients of the unpatched run, bit for bit
+        theirs = grads(folder, f"u.{config}")
+        assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
+        reference = theirs
+    if reference is not None:
+        assert relative(ours, reference) <= BOUND
+        assert relative(ours, reference, scale=1.01) > BOUND  # a 1 % error in the loss would be seen
+    if (config.split("-")[0], version) in HARD_LOSS:
+        assert relative(ours, off) > BOUND, "TRL's Liger GKD loss no longer differs from Liger-off"
+    else:
+        assert relative(ours, off) <= BOUND
+        assert relative(ours, off, scale=1.01) > BOUND
+
+
+@pytest.mark.parametrize("version", [*RELEASES, *(FULL_RELEASES if FULL else ())])
+def test_the_report_says_what_was_done(launches, version):
+    """Routed configs say so (report() and the rank-0 line); the others say they were left to TRL."""
+    _, patched, unpatched = launches(version)
+    assert unpatched["report"] is None
+    notes = {s["name"]: s for s in patched["report"]}
+    for config in {**RELEASES, **FULL_RELEASES}[version]:
+        kind = config.split("-")[0]
+        status = notes[f"{kind}_compute_loss"]
+        assert status["status"] == "applied", status
+        decisions = next(iter(status["runtime"].values()))
+        if routed(version, config):
+            assert any(d.startswith("routed through DistributedDataParallel.forward") for d in decisions), decisions
+        else:
+            assert any(d.endswith("left to TRL") and "use_liger_kernel=False" not in d for d in decisions), decisions
+    assert "liger_ddp_patch:" in patched["log"] and "under DistributedDataParallel: routed" in patched["log"]
+
+
+def test_head_decisions_on_1_6(launches):
+    """TRL 1.6: untied trainable head + find_unused routed; tied, frozen (LoRA) and the default left to TRL."""
+    _, patched, _ = launches("1.6.0")
+    decisions = [d for s in patched["report"] if s["name"] == "gkd_compute_loss" for d in s["runtime"]["GKDTrainer"]]
+    assert any("untied trainable head" in d for d in decisions), decisions
+    assert any(d.startswith("the head is tied") for d in decisions), decisions
+    assert any(d.startswith("the head is frozen") for d in decisions), decisions
+    assert any("find_unused_parameters=False" in d for d in decisions), decisions
+
+
+@pytest.fixture(scope="module")
+def real_vocab(tmp_path_factory):
+    from liger_ddp_patch.demo.tiny import REAL_VOCAB, build
+
+    assets = build(tmp_path_factory.mktemp("distill-real"), vocab_size=REAL_VOCAB)
+    return run_probe(assets, "before", pythonpath=(str(trl_dir("1.5.1")),), extra=("--configs", "gkd,distillation"))
+
+
+def test_real_vocabulary_runs_inside_ddps_forward(real_vocab):
+    """Liger's JSD loss (torch.func, compiled=False) runs inside DDP's forward at V=151,936: no swap needed."""
+    for config in ("gkd", "distillation"):
+        run = result(real_vocab, config)
+        assert "error" not in run, run.get("trace", "") + real_vocab["log"][-3000:]
+        assert (run["params"], run["differing"], run["max_abs_diff"]) == (PARAMS, 0, 0.0), run
+        assert run["loss_class"] == "LigerFusedLinearJSDLoss" and run["teacher_changed"] == 0, run
+    for name in ("gkd_compute_loss", "distillation_compute_loss"):
+        (status,) = [s for s in real_vocab["report"] if s["name"] == name]
+        assert next(iter(status["runtime"].values())) == ["routed through DistributedDataParallel.forward"], status
+
+
+def test_one_process_is_trls_code_bit_for_bit(tmp_path):
+    """No wrapper: the patched run's gradients are the unpatched run's, bit for bit."""
+    from liger_ddp_patch.demo.tiny import build
+
+    assets = build(tmp_path / "tiny", vocab_size=64)
+    path, configs = (str(trl_dir("1.5.1")),), ("--configs", "gkd,gold,distillation")
+    patched = run_probe(
+        assets, "before", pythonpath=path, nproc=0, extra=(*configs, "--grads-out", str(tmp_path / "p"))
+    )
+    unpatched = run_probe(assets, "none", pythonpath=path, nproc=0, env={"LIGER_DDP_PATCH_DISABLE": "1"},
+                          extra=(*configs, "--grads-out", str(tmp_path / "u")))  # fmt: skip
+    for config in ("gkd", "gold", "distillation"):
+        assert "error" not in result(patched, config) and "error" not in result(unpatched, config)
+        ours, theirs = grads(tmp_path, f"p.{config}"), grads(tmp_path, f"u.{config}")
+        assert len(ours) == PARAMS and ours.keys() == theirs.keys()
+        assert all(ours[k].equal(theirs[k]) for k in ours), config
+        (status,) = [s for s in patched["report"] if s["name"] == f"{config}_compute_loss"]
+        assert next(iter(status["runtime"].values())) == ["no wrapper: left to TRL"], status
+
+
+def test_verifier_catches_an_unpatched_gkd_run(tmp_path):
+    """LIGER_DDP_PATCH_VERIFY on, every patch off: the first optimizer step stops, naming the parameters."""
+    from liger_ddp_patch.demo.tiny import build
+
+    assets = build(tmp_path / "tiny", vocab_size=64)
+    env = {"LIGER_DDP_PATCH_DISABLE": "1", "LIGER_DDP_PATCH_VERIFY": "1"}
+    found = run_probe(assets, "none", pythonpath=(str(trl_dir("1.0.0")), EXAMPLE), env=env, extra=("--configs", "gkd"))
+    assert {row["status"] for row in found["report"]} == {"disabled"}
+    error = result(found, "gkd").get("error", "")
+    assert error.startswith(
+        "GradientDesyncError: Gradients are NOT synchronised across the 2 data-parallel ranks at optimizer step 0: "
+        f"{PARAMS} of {PARAMS} parameters differ between rank 0 and rank 1: "
+    ), error
