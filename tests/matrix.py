@@ -125,8 +125,8 @@ class DistillLine(NamedTuple):
 
 
 _DECODER = (
-    "the student's decoder runs on the unwrapped model and its head's weight goes straight into Liger's JSD loss: DDP's "
-    "forward never runs, so every rank silently trains its own student (TRL #5282; fixed in 1.6.0 by PR #5934)"
+    "the student's decoder runs on the unwrapped model and its head's weight goes straight into Liger's JSD loss: "
+    "DDP's forward never runs, so every rank silently trains its own student (TRL #5282; fixed in 1.6.0 by PR #5934)"
 )
 _HEAD = (
     "the decoder is routed, the head is used after DDP's forward: in sync by default; with "
@@ -134,8 +134,8 @@ _HEAD = (
     "to mark a variable ready only once` (Liger off trains)"
 )
 _ROUTE = (
-    "under DDP only: runs TRL's own `compute_loss` on the unwrapped student inside the DDP wrapper's forward (TRL's JSD "
-    "loss object kept; the teacher untouched); any other setup runs TRL's code"
+    "under DDP only: runs TRL's own `compute_loss` on the unwrapped student inside the DDP wrapper's forward (TRL's "
+    "JSD loss object kept; the teacher untouched); any other setup runs TRL's code"
 )
 _ROUTE_HEAD = (
     "under DDP with `find_unused_parameters=True` and an untied trainable head only: runs TRL's own `compute_loss` "
@@ -232,9 +232,9 @@ def render_versions() -> str:
         "",
         "# TRL versions",
         "",
-        f"Patches: {', '.join(f'`{p.name}`' for p in PATCHES)}. DPO/KTO: affected range `{tv.AFFECTED}`; fixed upstream in "
-        f"TRL {tv.FIXED_IN}. A release not listed here is *unknown*: the shape check of each patch decides, and "
-        "`liger-ddp-patch status` says what was checked. Code shapes the checks accept: "
+        f"Patches: {', '.join(f'`{p.name}`' for p in PATCHES)}. DPO/KTO: affected range `{tv.AFFECTED}`; fixed "
+        f"upstream in TRL {tv.FIXED_IN}. A release not listed here is *unknown*: the shape check of each patch "
+        "decides, and `liger-ddp-patch status` says what was checked. Code shapes the checks accept: "
         + ", ".join(f"`{s}`" for s in SHAPES)
         + ".",
         "",
@@ -269,7 +269,6 @@ def render_versions() -> str:
 
 
 def _distill_cell(spec, version: str) -> str:
-    line = distill_line(spec, version)
     status = expected_status(version, spec.compute_loss_patch)
     if not exists_in(spec, version):
         return f"{status} (no {spec.trainer} yet)"
@@ -288,8 +287,11 @@ def render_distill() -> list[str]:
         "`compiled=False`: it runs inside DDP's forward at the real 151,936-token vocabulary, so nothing is swapped. "
         "Shape `decoder_unrouted`: the student's decoder is called on the unwrapped model; `head_outside`: TRL routes "
         "the decoder, the head is used after DDP's forward. Verified by `tests/test_versions.py::test_release_report` "
-        "(the engine's decision) and `tests/test_distill.py` (2 ranks: " + ", ".join(DISTILL_ALWAYS) + " always; "
-        + ", ".join(DISTILL_FULL) + " with `LIGER_DDP_PATCH_FULL_MATRIX=1`).",
+        "(the engine's decision) and `tests/test_distill.py` (2 ranks: "
+        + ", ".join(DISTILL_ALWAYS)
+        + " always; "
+        + ", ".join(DISTILL_FULL)
+        + " with `LIGER_DDP_PATCH_FULL_MATRIX=1`).",
         "",
         "| TRL | " + " | ".join(s.trainer for s in DISTILL_SPECS) + " | CI (2-rank run) |",
         "|---|" + "---|" * len(DISTILL_SPECS) + "---|",
@@ -307,6 +309,22 @@ def render_distill() -> list[str]:
             following = [x.first for x in DISTILL_LINES[spec.name] if Version(x.first) > Version(line.first)]
             span = f"{line.first}–" + (f"before {following[0]}" if following else "")
             rows.append(f"- {spec.trainer} {span}: {line.broken}. Package: {line.does}.")
+    rows += [
+        "",
+        "What their Liger path computes differently from their non-Liger path (a WARNING line per row on rank 0 when "
+        "such a trainer is built with `use_liger_kernel=True`; nothing changes; proven by "
+        "`tests/test_distill.py::test_liger_path_facts`):",
+        "",
+        "| trainer | you set (default) | TRL releases | TRL without Liger | TRL's Liger path | later |",
+        "|---|---|---|---|---|---|",
+    ]
+    names = {spec.name: spec.trainer for spec in SPECS}
+    for f in liger_settings.FACTS:
+        if f.trainer in {s.name for s in DISTILL_SPECS}:
+            rows.append(
+                f"| {names[f.trainer]} | `{f.setting}` ({f.default}) | {_span(f.releases)} | {f.applied} | {f.lost} "
+                f"| {f.later} |"
+            )
     return [*rows, ""]
 
 
@@ -324,8 +342,9 @@ def _span(specifier: str, among: tuple[str, ...] = tv.RELEASES) -> str:
     return f"{inside[0]}–{inside[-1]}" if len(inside) > 1 else inside[0]
 
 
-def render_liger_settings() -> str:
-    """The README table, one row per fact (``liger_ddp_patch.patches.liger_settings.FACTS``), between markers."""
+def render_liger_settings(trainers: tuple[str, ...] = ("dpo", "kto")) -> str:
+    """The README table, one row per fact (``liger_ddp_patch.patches.liger_settings.FACTS``) of ``trainers``, between
+    markers (``liger-settings --distill``: GKD's and Distillation's rows, also in docs/versions.md)."""
     names = {spec.name: spec.trainer for spec in SPECS}
     rows = [
         SETTINGS_BEGIN,
@@ -334,6 +353,8 @@ def render_liger_settings() -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for f in liger_settings.FACTS:
+        if f.trainer not in trainers:
+            continue
         rows.append(
             f"| {names[f.trainer]} | `{f.setting}` ({f.default}) | {_span(f.releases)} | {f.liger or 'any'} "
             f"| {f.applied} | {f.lost} | {f.later} | {f.upstream} |"
@@ -352,7 +373,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["versions"]:
         print(render_versions(), end="")
     elif sys.argv[1:2] == ["liger-settings"]:
-        print(render_liger_settings(), end="")
+        print(render_liger_settings(("gkd", "distillation") if "--distill" in sys.argv else ("dpo", "kto")), end="")
     elif sys.argv[1:2] == ["ci-versions"]:
         print(*ci_versions(full="--full" in sys.argv))
     else:

@@ -36,9 +36,9 @@ def test_status_json_resolves_pending_and_reports_every_patch():
 
 def test_status_exits_1_when_a_patch_cannot_apply(tmp_path):
     """Metadata says 1.8.0 (affected) but the code is 1.16.0's: every patch is unsupported; the exit code says so."""
-    from liger_ddp_patch.patches import NAMES
-
     from test_versions import fake_release
+
+    from liger_ddp_patch.patches import NAMES
 
     proc = cli("status", env={"PYTHONPATH": str(fake_release(tmp_path, "1.8.0", "1.16.0"))})
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -71,6 +71,10 @@ CONFIGS: dict[str, dict] = {
     # find_unused_parameters=True with a head TRL 1.6-1.13 may keep outside DDP's forward: tied, or frozen (LoRA)
     "gkd-find-unused-tied": {"trainer": "gkd", "find_unused": True, "tied": True},
     "gkd-find-unused-lora": {"trainer": "gkd", "find_unused": True, "lora": True},
+    # Distillation's default loss_top_k=1 (the non-Liger loss on the top-1 token plus a tail bucket), which its Liger
+    # path ignores (full-vocabulary JSD); the other configs use loss_top_k=0 (full vocabulary) on both paths.
+    "distillation-top1": {"trainer": "distillation", "loss_top_k": 1},
+    "gkd-temp": {"trainer": "gkd", "temperature": 0.9},  # GKDConfig's default temperature (the others use 1.0)
 }
 ARMS = ("liger", "fused", "off")  # use_liger_kernel=True; the same with TRL's fused loss kept; use_liger_kernel=False
 
@@ -79,7 +83,7 @@ def setup(name: str, arm: str, args) -> argparse.Namespace:
     """The command line with config ``name``'s keys and ``arm`` applied (unknown names: a trainer's plain setup)."""
     defaults = {"lora": False, "modules_to_save": None, "peft_model": False, "checkpointing": None,
                 "find_unused": None, "ref_model": False, "loss_type": None, "logits_budget": None,
-                "lmbda": 0.0, "tied": False}  # fmt: skip
+                "lmbda": 0.0, "tied": False, "loss_top_k": 0, "temperature": 1.0}  # fmt: skip
     merged = {**defaults, **vars(args), **CONFIGS.get(name, {"trainer": name}), "config": name, "arm": arm}
     if arm == "off":
         merged["no_liger"] = True
@@ -216,10 +220,11 @@ def _optional(args) -> dict:
     if args.loss_type:
         extra["loss_type"] = args.loss_type
     if trainer_specs()[args.trainer].dataset == "messages":
-        # temperature 1: TRL 1.13's Liger path applies none; short generations (a completion shorter than max_length:
-        # GOLD 1.6 requires it); GOLD without its ULD loss. Each config takes the fields it has.
-        extra.update(lmbda=args.lmbda, beta=0.5, temperature=1.0, max_new_tokens=4, max_completion_length=8,
-                     use_uld_loss=False)  # fmt: skip
+        # temperature 1 unless a config sets it (TRL 1.13's Liger path applies none); short generations (a
+        # completion shorter than max_length: GOLD 1.6 requires it); GOLD without its ULD loss; the full vocabulary
+        # for Distillation's loss. Each config takes the fields it has.
+        extra.update(lmbda=args.lmbda, beta=0.5, temperature=args.temperature, max_new_tokens=4,
+                     max_completion_length=8, use_uld_loss=False, loss_top_k=args.loss_top_k)  # fmt: skip
         # no clipping: each unsynchronised rank would clip by its own norm, and the mean of the ranks' gradients
         # (what the all-reduce makes of them, kept by --grads-out) would no longer be comparable
         extra["max_grad_norm"] = 0.0

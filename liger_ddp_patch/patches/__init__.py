@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..engine import Patch
-from . import chunked_loss, compute_loss, settings_warning, trl_versions
+from . import chunked_loss, compute_loss, liger_settings, settings_warning, trl_versions
 from .trainers import SPECS, TrainerSpec
 
 
@@ -20,8 +20,8 @@ def _trl(spec: TrainerSpec) -> dict:
 
 
 def records(spec: TrainerSpec) -> tuple[Patch, ...]:
-    """The spec's records: its compute_loss always; the loss swap when it has one; the settings warning when it
-    builds one of the fused losses whose dropped settings we know."""
+    """The spec's records: its compute_loss always; the loss swap when it has one (DPO/KTO); the settings warning when
+    some release of its Liger path drops or changes a setting (:mod:`.liger_settings`)."""
     label, ours = spec.name.upper(), spec.loss.partition(":")[2]
     found = (
         Patch(
@@ -48,7 +48,7 @@ def records(spec: TrainerSpec) -> tuple[Patch, ...]:
                 **_trl(spec),
             ),
         )
-    if spec.fused:
+    if liger_settings.facts(spec.name):
         found += (
             Patch(
                 name=spec.liger_settings_patch,
@@ -56,7 +56,8 @@ def records(spec: TrainerSpec) -> tuple[Patch, ...]:
                 attribute=(f"{spec.trainer}.__init__",),
                 check=settings_warning.checker(spec),
                 replace=settings_warning.replacer(spec),
-                summary=f"warns once per setting that TRL's Liger {label} loss drops; changes nothing",
+                summary=f"warns once per setting that TRL's Liger {label} loss drops or computes differently; changes "
+                "nothing",
                 **_trl(spec),
             ),
         )

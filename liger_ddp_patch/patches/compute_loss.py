@@ -225,7 +225,9 @@ def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
     checked: weakref.WeakSet = weakref.WeakSet()  # wrappers already looked at by pitfalls.warn (first routed call)
 
     def replace(original: Any, engine: Any) -> Any:
-        head_only = shape(original, ("head_outside",))[0] == "head_outside"  # TRL routes the decoder itself: only the head is at stake
+        head_only = (
+            shape(original, ("head_outside",))[0] == "head_outside"
+        )  # TRL routes the decoder itself: only the head is at stake
 
         @functools.wraps(original)
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

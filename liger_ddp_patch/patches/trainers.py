@@ -31,10 +31,9 @@ class TrainerSpec(NamedTuple):
     dataset: str
     modules: tuple[tuple[str, str], ...]  # (first release, the module that defines the trainer class)
     shapes: tuple[tuple[str, str], ...]  # (first release, compute_loss shape: a key of compute_loss.SHAPES, or "fixed")
-    # The fused loss we swap under DDP (empty: it runs as is inside DDP's forward, so there is no *_chunked_loss patch)
     fused: tuple[str, ...] = ()  # the names the trainer module gives the fused loss class (Liger's; TRL 1.13's own)
     loss_attributes: tuple[str, ...] = ()  # where the trainer keeps the fused loss object it built (any release)
-    loss: str = ""  # our replacement, "module:Class"
+    loss: str = ""  # our replacement, "module:Class" ("": the fused loss runs as is inside DDP's forward, no swap)
     # PEP 440 range of the releases with the bug, and the first release without it ("": the package's own range,
     # trl_versions.AFFECTED / FIXED_IN)
     affected: str = ""
@@ -111,6 +110,8 @@ KTO = TrainerSpec(
 # in sync, but DDP stops with "Expected to mark a variable ready only once" when find_unused_parameters=True and the
 # head is untied and trainable). The JSD loss is Liger's torch.func path with compiled=False, which runs inside DDP's
 # forward (shown at vocabulary 151,936 by tests/test_distill.py): no loss swap. 1.14.0 removed their Liger path.
+_JSD = ("LigerFusedLinearJSDLoss", "FusedLinearJSDLoss")  # Liger's; TRL 1.13's vendored copy
+
 GKD = TrainerSpec(
     name="gkd",
     trainer="GKDTrainer",
@@ -121,7 +122,8 @@ GKD = TrainerSpec(
     affected=">=1.0.0,<1.14.0",
     fixed_in="1.14.0",
     liger_flags=("use_liger_gkd_loss",),
-    loss_attributes=("liger_jsd_loss", "liger_loss"),  # liger_loss from 1.6.0 (read by the demo probe only)
+    fused=_JSD,
+    loss_attributes=("liger_jsd_loss", "liger_loss"),  # liger_loss from 1.6.0
     upstream="TRL #5282",
 )
 
@@ -135,6 +137,7 @@ GOLD = TrainerSpec(
     affected=">=1.0.0,<1.14.0",
     fixed_in="1.14.0",
     liger_flags=("use_liger_gkd_loss",),
+    fused=_JSD,
     loss_attributes=("liger_jsd_loss", "liger_loss"),
     not_liger_when=("use_uld_loss", "teacher_tokenizer"),  # the ULD branch calls the model (the wrapper) itself
     upstream="TRL #5282",
@@ -154,6 +157,7 @@ DISTILLATION = TrainerSpec(
     affected=">=1.1.0,<1.10.0",
     fixed_in="1.10.0",
     liger_flags=("use_liger_loss",),
+    fused=_JSD,
     loss_attributes=("liger_jsd_loss", "liger_loss"),
     upstream="TRL #5282",
 )
