@@ -36,8 +36,8 @@ REJECTED = "Expected to mark a variable ready only once"
 
 # Per release: the configs one pair of launches runs (demo/probe.py CONFIGS; a trainer's name is its plain setup).
 RELEASES: dict[str, tuple[str, ...]] = {
-    "1.0.0": ("gkd", "gold", "gkd-onpolicy"),
-    "1.5.1": ("gkd", "gold", "distillation", "distillation-onpolicy", "distillation-lora"),
+    "1.0.0": ("gkd", "gold", "gkd-onpolicy", "gkd-temp"),
+    "1.5.1": ("gkd", "gold", "distillation", "distillation-onpolicy", "distillation-lora", "distillation-top1"),
     "1.6.0": ("gkd-find-unused", "distillation-find-unused", "gkd-find-unused-tied", "gkd-find-unused-lora", "gkd"),
 }
 FULL_RELEASES: dict[str, tuple[str, ...]] = {
@@ -45,8 +45,17 @@ FULL_RELEASES: dict[str, tuple[str, ...]] = {
     "1.9.2": ("gold-find-unused", "distillation-find-unused", "gkd-find-unused-tied"),
     "1.13.0": ("gkd-find-unused", "gold-find-unused", "gkd"),
 }
-# TRL's Liger loss differs from its non-Liger loss by design here (liger_settings facts): the comparison must fail.
-HARD_LOSS = {("gkd", v) for v in ("1.0.0", "1.1.0", "1.2.0", "1.3.0")}  # Liger's default weight_hard_loss=0.5
+
+
+def differs_from_off(version: str, config: str) -> bool:
+    """TRL's Liger loss differs from its non-Liger loss by design (a liger_settings fact): the comparison must fail.
+    GKD 1.0-1.3: Liger's default weight_hard_loss=0.5; Distillation 1.1-1.8: loss_top_k=1 ignored by the Liger path."""
+    from liger_ddp_patch.patches import liger_settings as ls
+
+    kind = config.split("-")[0]
+    if kind == "gkd":
+        return ls.dropped_in(ls.facts("gkd")[0], version, None)
+    return config == "distillation-top1" and ls.dropped_in(ls.facts("distillation")[0], version, None)
 
 
 def trl_dir(version: str) -> Path:
@@ -169,8 +178,8 @@ def test_synchronised_gradients_are_trls_liger_loss(launches, version, config):
     if reference is not None:
         assert relative(ours, reference) <= BOUND
         assert relative(ours, reference, scale=1.01) > BOUND  # a 1 % error in the loss would be seen
-    if (config.split("-")[0], version) in HARD_LOSS:
-        assert relative(ours, off) > BOUND, "TRL's Liger GKD loss no longer differs from Liger-off"
+    if differs_from_off(version, config):
+        assert relative(ours, off) > BOUND, "TRL's Liger loss no longer differs from Liger-off"
     else:
         assert relative(ours, off) <= BOUND
         assert relative(ours, off, scale=1.01) > BOUND
@@ -257,3 +266,28 @@ def test_verifier_catches_an_unpatched_gkd_run(tmp_path):
         "GradientDesyncError: Gradients are NOT synchronised across the 2 data-parallel ranks at optimizer step 0: "
         f"{PARAMS} of {PARAMS} parameters differ between rank 0 and rank 1: "
     ), error
+
+
+def test_liger_path_facts(launches):
+    """Each GKD/Distillation row of liger_settings.FACTS, by a run: TRL's Liger loss ignores (or applies) the setting
+    while its non-Liger loss does the opposite, and rank 0 says so once; 1.5.1's GKD says nothing (TRL 1.4 fixed it)."""
+    folder, patched, _ = launches("1.0.0")
+    # the loss: Liger's hard cross-entropy term (test_synchronised_gradients_are_trls_liger_loss[1.0.0-gkd]: differs
+    # from Liger-off; [1.5.1-gkd]: equal)
+    assert (
+        "GKDTrainer (TRL 1.0.0, use_liger_kernel=True) changes the loss: TRL builds Liger's JSD loss" in patched["log"]
+    )
+    # temperature: the Liger loss moves with it, the non-Liger loss (lmbda=0: no sampling) stays bit for bit
+    assert relative(grads(folder, "p.gkd-temp"), grads(folder, "p.gkd")) > BOUND
+    plain, hot = grads(folder, "p.gkd.off"), grads(folder, "p.gkd-temp.off")
+    assert all(plain[k].equal(hot[k]) for k in plain)
+    assert "GKDTrainer (TRL 1.0.0, use_liger_kernel=True) applies temperature=0.9: " in patched["log"]
+
+    folder, patched, _ = launches("1.5.1")
+    # loss_top_k=1 (the default): the Liger loss is the full-vocabulary one bit for bit, the non-Liger loss moves
+    top1, full = grads(folder, "p.distillation-top1"), grads(folder, "p.distillation")
+    assert all(top1[k].equal(full[k]) for k in top1)
+    assert relative(grads(folder, "p.distillation-top1.off"), grads(folder, "p.distillation.off")) > BOUND
+    assert "DistillationTrainer (TRL 1.5.1, use_liger_kernel=True) ignores loss_top_k=1: " in patched["log"]
+    assert patched["log"].count("ignores loss_top_k=1") == 1  # rank 0, once per process
+    assert "GKDTrainer (TRL" not in patched["log"]
