@@ -36,12 +36,14 @@ REJECTED = "Expected to mark a variable ready only once"
 
 # Per release: the configs one pair of launches runs (demo/probe.py CONFIGS; a trainer's name is its plain setup).
 RELEASES: dict[str, tuple[str, ...]] = {
-    "1.0.0": ("gkd", "gold", "gkd-onpolicy", "gkd-temp"),
-    "1.5.1": ("gkd", "gold", "distillation", "distillation-onpolicy", "distillation-lora", "distillation-top1"),
+    "1.0.0": ("gkd", "gold", "gkd-temp"),
+    "1.5.1": ("gkd", "distillation", "distillation-onpolicy", "distillation-lora", "distillation-top1"),
     "1.6.0": ("gkd-find-unused", "distillation-find-unused", "gkd-find-unused-tied", "gkd-find-unused-lora", "gkd"),
 }
 FULL_RELEASES: dict[str, tuple[str, ...]] = {
+    "1.0.0-full": ("gkd-onpolicy", "gold-onpolicy", "gkd-lora", "gold-lora"),
     "1.1.0": ("gkd", "gold", "distillation", "gold-onpolicy", "gkd-lora"),
+    "1.5.1-full": ("gold", "gkd-onpolicy", "gold-lora", "gold-onpolicy"),
     "1.9.2": ("gold-find-unused", "distillation-find-unused", "gkd-find-unused-tied"),
     "1.13.0": ("gkd-find-unused", "gold-find-unused", "gkd"),
 }
@@ -56,6 +58,10 @@ def differs_from_off(version: str, config: str) -> bool:
     if kind == "gkd":
         return ls.dropped_in(ls.facts("gkd")[0], version, None)
     return config == "distillation-top1" and ls.dropped_in(ls.facts("distillation")[0], version, None)
+
+
+def release(key: str) -> str:
+    return key.removesuffix("-full")
 
 
 def trl_dir(version: str) -> Path:
@@ -81,17 +87,16 @@ def routed(version: str, config: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def launches(request, tmp_path_factory):
-    """``{version: (folder, patched, unpatched)}``, launched on first use (two torchrun launches per release)."""
-    from liger_ddp_patch.demo.tiny import build
-
-    assets = build(tmp_path_factory.mktemp("distill-tiny"), vocab_size=64)
+def launches(tiny_small, tmp_path_factory):
+    """``{key: (folder, patched, unpatched)}``, launched on first use (two torchrun launches per key: a release, or
+    ``<release>-full`` for the configs only the full matrix runs)."""
+    assets = tiny_small
     done: dict = {}
 
     def get(version: str):
         if version not in done:
             folder, configs = tmp_path_factory.mktemp(f"distill-{version}"), {**RELEASES, **FULL_RELEASES}[version]
-            path = (str(trl_dir(version)),)
+            path = (str(trl_dir(release(version))),)
             # The patched launch also runs the sync verifier: it must stay silent.
             patched = run_probe(assets, "before", pythonpath=path, env={"LIGER_DDP_PATCH_VERIFY": "1"},
                                 extra=("--configs", ",".join(configs), "--arms", "liger,off",
@@ -138,6 +143,7 @@ CASES += [(v, c) for v, configs in FULL_RELEASES.items() for c in configs if FUL
 @pytest.mark.parametrize(("version", "config"), CASES, ids=[f"{v}-{c}" for v, c in CASES])
 def test_control_shows_the_bug_and_the_patch_syncs_every_parameter(launches, version, config):
     folder, patched, unpatched = launches(version)
+    version = release(version)
     assert patched["trl"] == unpatched["trl"] == version
     count = params_of(config)
     for arm in ("liger", "off"):
@@ -165,6 +171,7 @@ def test_control_shows_the_bug_and_the_patch_syncs_every_parameter(launches, ver
 def test_synchronised_gradients_are_trls_liger_loss(launches, version, config):
     """vs the unpatched ranks' mean (TRL's own Liger loss, averaged as an all-reduce would) and vs Liger-off DDP."""
     folder, patched, unpatched = launches(version)
+    version = release(version)
     ours = grads(folder, f"p.{config}")
     off = grads(folder, f"p.{config}.off")
     if routed(version, config) and head_outside(version):
@@ -191,7 +198,8 @@ def test_the_report_says_what_was_done(launches, version):
     _, patched, unpatched = launches(version)
     assert unpatched["report"] is None
     notes = {s["name"]: s for s in patched["report"]}
-    for config in {**RELEASES, **FULL_RELEASES}[version]:
+    configs, version = {**RELEASES, **FULL_RELEASES}[version], release(version)
+    for config in configs:
         kind = config.split("-")[0]
         status = notes[f"{kind}_compute_loss"]
         assert status["status"] == "applied", status
@@ -214,11 +222,8 @@ def test_head_decisions_on_1_6(launches):
 
 
 @pytest.fixture(scope="module")
-def real_vocab(tmp_path_factory):
-    from liger_ddp_patch.demo.tiny import REAL_VOCAB, build
-
-    assets = build(tmp_path_factory.mktemp("distill-real"), vocab_size=REAL_VOCAB)
-    return run_probe(assets, "before", pythonpath=(str(trl_dir("1.5.1")),), extra=("--configs", "gkd,distillation"))
+def real_vocab(tiny_real):
+    return run_probe(tiny_real, "before", pythonpath=(str(trl_dir("1.5.1")),), extra=("--configs", "gkd,distillation"))
 
 
 def test_real_vocabulary_runs_inside_ddps_forward(real_vocab):
@@ -233,18 +238,16 @@ def test_real_vocabulary_runs_inside_ddps_forward(real_vocab):
         assert next(iter(status["runtime"].values())) == ["routed through DistributedDataParallel.forward"], status
 
 
-def test_one_process_is_trls_code_bit_for_bit(tmp_path):
+def test_one_process_is_trls_code_bit_for_bit(tiny_small, tmp_path):
     """No wrapper: the patched run's gradients are the unpatched run's, bit for bit."""
-    from liger_ddp_patch.demo.tiny import build
-
-    assets = build(tmp_path / "tiny", vocab_size=64)
-    path, configs = (str(trl_dir("1.5.1")),), ("--configs", "gkd,gold,distillation")
+    assets = tiny_small
+    path, configs = (str(trl_dir("1.5.1")),), ("--configs", "gkd,distillation")
     patched = run_probe(
         assets, "before", pythonpath=path, nproc=0, extra=(*configs, "--grads-out", str(tmp_path / "p"))
     )
     unpatched = run_probe(assets, "none", pythonpath=path, nproc=0, env={"LIGER_DDP_PATCH_DISABLE": "1"},
                           extra=(*configs, "--grads-out", str(tmp_path / "u")))  # fmt: skip
-    for config in ("gkd", "gold", "distillation"):
+    for config in ("gkd", "distillation"):
         assert "error" not in result(patched, config) and "error" not in result(unpatched, config)
         ours, theirs = grads(tmp_path, f"p.{config}"), grads(tmp_path, f"u.{config}")
         assert len(ours) == PARAMS and ours.keys() == theirs.keys()
@@ -253,11 +256,9 @@ def test_one_process_is_trls_code_bit_for_bit(tmp_path):
         assert next(iter(status["runtime"].values())) == ["no wrapper: left to TRL"], status
 
 
-def test_verifier_catches_an_unpatched_gkd_run(tmp_path):
+def test_verifier_catches_an_unpatched_gkd_run(tiny_small):
     """LIGER_DDP_PATCH_VERIFY on, every patch off: the first optimizer step stops, naming the parameters."""
-    from liger_ddp_patch.demo.tiny import build
-
-    assets = build(tmp_path / "tiny", vocab_size=64)
+    assets = tiny_small
     env = {"LIGER_DDP_PATCH_DISABLE": "1", "LIGER_DDP_PATCH_VERIFY": "1"}
     found = run_probe(assets, "none", pythonpath=(str(trl_dir("1.0.0")), EXAMPLE), env=env, extra=("--configs", "gkd"))
     assert {row["status"] for row in found["report"]} == {"disabled"}
