@@ -292,3 +292,25 @@ def test_liger_path_facts(launches):
     assert "DistillationTrainer (TRL 1.5.1, use_liger_kernel=True) ignores loss_top_k=1: " in patched["log"]
     assert patched["log"].count("ignores loss_top_k=1") == 1  # rank 0, once per process
     assert "GKDTrainer (TRL" not in patched["log"]
+
+
+@pytest.mark.deepspeed
+@pytest.mark.skipif(not FULL, reason="~3 min on 2 CPU cores: set LIGER_DDP_PATCH_FULL_MATRIX=1")
+def test_deepspeed_zero2_is_trls_code_bit_for_bit(tiny_small, tmp_path):
+    """A DeepSpeed engine reduces gradients itself: patched, GKD and Distillation (TRL 1.5.1) train exactly as
+    unpatched -- TRL's JSD loss object, the same logged metrics and the same weights after 2 steps, bit for bit."""
+    pytest.importorskip("deepspeed")
+    from test_deepspeed import history_differences, launch
+
+    path, kinds = str(trl_dir("1.5.1")), ("gkd", "distillation")
+    unpatched = launch(tiny_small, 2, "none", tmp_path / "none.json", kinds, path)
+    patched = launch(tiny_small, 2, "before", tmp_path / "before.json", kinds, path)
+    for kind in kinds:
+        before, after = unpatched[kind], patched[kind]
+        assert (after["engine"], after["engine_zero_stage"], after["world_size"]) == ("DeepSpeedEngine", 2, 2)
+        assert before["loss_class"] == after["loss_class"] == "LigerFusedLinearJSDLoss"
+        assert history_differences(before["history"], after["history"]) == []
+        assert len(before["weights"]) == PARAMS and before["weights"] == after["weights"]
+        (status,) = [s for s in patched["report"] if s["name"] == f"{kind}_compute_loss"]
+        decisions = next(iter(status["runtime"].values()))
+        assert decisions and all(d == "DeepSpeedEngine: left to TRL" for d in decisions), decisions
