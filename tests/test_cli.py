@@ -25,11 +25,11 @@ def test_status_json_resolves_pending_and_reports_every_patch():
     rows = {row["name"]: row for row in json.loads(proc.stdout)}
     assert set(rows) == {"dpo_compute_loss", "kto_compute_loss", "dpo_chunked_loss", "kto_chunked_loss",
                          "dpo_liger_settings", "kto_liger_settings", "gkd_compute_loss", "gold_compute_loss",
-                         "distillation_compute_loss"}  # fmt: skip
+                         "distillation_compute_loss", "gkd_liger_settings", "distillation_liger_settings"}  # fmt: skip
     import trl
 
     for name, row in rows.items():
-        expected = "not_needed" if name == "distillation_compute_loss" else "applied"
+        expected = "not_needed" if name.startswith("distillation_") else "applied"
         assert (row["status"], row["version"], row["runtime"]) == (expected, trl.__version__, {}), row
     assert proc.returncode == 0
 
