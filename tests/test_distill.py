@@ -314,3 +314,22 @@ def test_deepspeed_zero2_is_trls_code_bit_for_bit(tiny_small, tmp_path):
         (status,) = [s for s in patched["report"] if s["name"] == f"{kind}_compute_loss"]
         decisions = next(iter(status["runtime"].values()))
         assert decisions and all(d == "DeepSpeedEngine: left to TRL" for d in decisions), decisions
+
+
+def test_table(launches, capsys):
+    """The numbers for the closing note (run with -s to see them)."""
+    rows = [f"{'TRL':<7} {'config':<26} {'params':>6} {'unpatched':>10} {'patched':>7} {'vs TRL':>8} {'vs off':>8}"]
+    for version, config in CASES:
+        folder, patched, unpatched = launches(version)
+        control, ours = result(unpatched, config), result(patched, config)
+        release_ = release(version)
+        mean = folder / f"u.{config}.mean.pt"
+        vs_trl = relative(grads(folder, f"p.{config}"), grads(folder, f"u.{config}.mean")) if mean.exists() else None
+        vs_off = relative(grads(folder, f"p.{config}"), grads(folder, f"p.{config}.off"))
+        before = "crash" if "error" in control else control["differing"]
+        rows.append(
+            f"{release_:<7} {config:<26} {ours['params']:>6} {before:>10} {ours['differing']:>7} "
+            f"{'-' if vs_trl is None else f'{vs_trl:.1e}':>8} {vs_off:>8.1e}"
+        )
+    with capsys.disabled():
+        print("\n" + "\n".join(rows))

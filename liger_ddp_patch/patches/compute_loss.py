@@ -225,9 +225,8 @@ def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
     checked: weakref.WeakSet = weakref.WeakSet()  # wrappers already looked at by pitfalls.warn (first routed call)
 
     def replace(original: Any, engine: Any) -> Any:
-        head_only = (
-            shape(original, ("head_outside",))[0] == "head_outside"
-        )  # TRL routes the decoder itself: only the head is at stake
+        # TRL 1.6-1.13's distillation trainers route the decoder themselves: only their head is at stake
+        head_only = shape(original, ("head_outside",))[0] == "head_outside"
 
         @functools.wraps(original)
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
