@@ -75,6 +75,8 @@ CONFIGS: dict[str, dict] = {
     # path ignores (full-vocabulary JSD); the other configs use loss_top_k=0 (full vocabulary) on both paths.
     "distillation-top1": {"trainer": "distillation", "loss_top_k": 1},
     "gkd-temp": {"trainer": "gkd", "temperature": 0.9},  # GKDConfig's default temperature (the others use 1.0)
+    # on the model of --real-assets (Qwen's 151,936-token vocabulary) in a launch whose other configs use --assets
+    **{f"{kind}-real-vocab": {"trainer": kind, "real_vocab": True} for kind in ("gkd", "distillation")},
 }
 ARMS = ("liger", "fused", "off")  # use_liger_kernel=True; the same with TRL's fused loss kept; use_liger_kernel=False
 
@@ -83,7 +85,7 @@ def setup(name: str, arm: str, args) -> argparse.Namespace:
     """The command line with config ``name``'s keys and ``arm`` applied (unknown names: a trainer's plain setup)."""
     defaults = {"lora": False, "modules_to_save": None, "peft_model": False, "checkpointing": None,
                 "find_unused": None, "ref_model": False, "loss_type": None, "logits_budget": None,
-                "lmbda": 0.0, "tied": False, "loss_top_k": 0, "temperature": 1.0}  # fmt: skip
+                "lmbda": 0.0, "tied": False, "loss_top_k": 0, "temperature": 1.0, "real_vocab": False}  # fmt: skip
     merged = {**defaults, **vars(args), **CONFIGS.get(name, {"trainer": name}), "config": name, "arm": arm}
     if arm == "off":
         merged["no_liger"] = True
@@ -309,6 +311,10 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
 
     args = setup(name, arm, args)
+    if args.real_vocab:
+        if not args.real_assets:
+            raise SystemExit(f"config {name} needs --real-assets")
+        assets = args.real_assets
     kind, out = args.trainer, tag(name, arm)
     spec = trainer_specs()[kind]
     config_cls, trainer_cls = _trainer_classes(kind)
@@ -401,6 +407,7 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--assets", required=True, help="folder with the tiny model and tokenizer (demo.tiny.build)")
+    parser.add_argument("--real-assets", help="the same at the real vocabulary, for the *-real-vocab configs")
     parser.add_argument("--trainers", default="dpo,kto")
     parser.add_argument(
         "--configs", help="comma-separated keys of CONFIGS (or trainer names), run in turn; overrides --trainers"
