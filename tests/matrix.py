@@ -161,6 +161,7 @@ DISTILL_LINES: dict[str, tuple[DistillLine, ...]] = {
 # mark a variable ready only once" (find_unused_parameters=True, untied trainable head). Runs of 2026-12-03.
 DISTILL_OBSERVED: dict[str, str] = {
     "1.0.0": "GKD 25 → 0, GOLD 25 → 0",
+    "1.1.0": "GKD 25 → 0, GOLD 25 → 0, Distillation 25 → 0",
     "1.5.1": "GKD 25 → 0, GOLD 25 → 0, Distillation 25 → 0",
     "1.6.0": "find_unused_parameters=True: GKD, GOLD, Distillation crash → 0",
 }
