@@ -31,7 +31,14 @@ elif PATCH_MODE != "none":
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from liger_ddp_patch.demo.probe import NO_TRITON, _dataset, _trainer_classes  # noqa: E402
+from liger_ddp_patch.demo.probe import (  # noqa: E402
+    CHAT_TEMPLATE,
+    NO_TRITON,
+    _dataset,
+    _teacher,
+    _trainer_classes,
+    trainer_specs,
+)
 
 
 def ds_config(stage: int) -> dict:
@@ -69,9 +76,17 @@ def run_one(kind: str, args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     AcceleratorState._reset_state()  # one Accelerator per trainer; the distributed PartialState stays
+    import dataclasses
+
     config_cls, trainer_cls = _trainer_classes(kind)
+    spec = trainer_specs()[kind]
     rank = dist.get_rank()
+    # GKD/GOLD/Distillation: no generation, temperature 1, GOLD without ULD, Distillation's full-vocabulary loss
+    distill = dict(lmbda=0.0, beta=0.5, temperature=1.0, max_new_tokens=4, max_completion_length=8,
+                   use_uld_loss=False, loss_top_k=0) if spec.dataset == "messages" else {}  # fmt: skip
+    fields = {f.name for f in dataclasses.fields(config_cls)}
     config = config_cls(
+        **{k: v for k, v in distill.items() if k in fields},
         output_dir=tempfile.mkdtemp(prefix=f"ds-probe-{kind}-"),
         deepspeed=ds_config(args.zero_stage),
         accelerator_config={"use_configured_state": True},
@@ -90,14 +105,19 @@ def run_one(kind: str, args) -> dict:
     )
     # Built after the config, so under ZeRO-3 from_pretrained partitions the weights as it loads them (zero.Init).
     model = AutoModelForCausalLM.from_pretrained(args.assets, dtype=torch.float32)
+    tokenizer, extra = AutoTokenizer.from_pretrained(args.assets), {}
+    if spec.dataset == "messages":  # a chat template for the conversations, and a frozen teacher
+        tokenizer.chat_template = CHAT_TEMPLATE
+        extra["teacher_model"] = _teacher(args.assets, torch.float32)
     trainer = trainer_cls(
         model=model,
         args=config,
         train_dataset=_dataset(kind, rank),  # different rows per rank
-        processing_class=AutoTokenizer.from_pretrained(args.assets),
+        processing_class=tokenizer,
+        **extra,
     )
     trainer.train()
-    loss = trainer.liger_loss
+    loss = getattr(trainer, spec.loss_attribute(trainer))
     digests, partitioned = gathered_digests(trainer.accelerator.unwrap_model(trainer.model))
     return {
         "trainer": kind,

@@ -19,15 +19,18 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def test_status_json_resolves_pending_and_reports_every_patch():
-    """The pinned TRL (1.12.0) is affected and has the shapes we fix: all six apply, exit code 0."""
+    """The pinned TRL (1.12.0) is affected and has the shapes we fix: all apply but Distillation's (TRL routes its
+    whole loss since 1.10.0), exit code 0."""
     proc = cli("status", "--json")
     rows = {row["name"]: row for row in json.loads(proc.stdout)}
     assert set(rows) == {"dpo_compute_loss", "kto_compute_loss", "dpo_chunked_loss", "kto_chunked_loss",
-                         "dpo_liger_settings", "kto_liger_settings"}  # fmt: skip
+                         "dpo_liger_settings", "kto_liger_settings", "gkd_compute_loss", "gold_compute_loss",
+                         "distillation_compute_loss", "gkd_liger_settings", "distillation_liger_settings"}  # fmt: skip
     import trl
 
-    for row in rows.values():
-        assert (row["status"], row["version"], row["runtime"]) == ("applied", trl.__version__, {}), row
+    for name, row in rows.items():
+        expected = "not_needed" if name.startswith("distillation_") else "applied"
+        assert (row["status"], row["version"], row["runtime"]) == (expected, trl.__version__, {}), row
     assert proc.returncode == 0
 
 
@@ -35,16 +38,18 @@ def test_status_exits_1_when_a_patch_cannot_apply(tmp_path):
     """Metadata says 1.8.0 (affected) but the code is 1.16.0's: every patch is unsupported; the exit code says so."""
     from test_versions import fake_release
 
+    from liger_ddp_patch.patches import NAMES
+
     proc = cli("status", env={"PYTHONPATH": str(fake_release(tmp_path, "1.8.0", "1.16.0"))})
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stdout.count("unsupported") == 6, proc.stdout
+    assert proc.stdout.count("unsupported") == len(NAMES), proc.stdout
 
 
 def test_status_table_says_disabled():
     proc = cli("status", env={"LIGER_DDP_PATCH_DISABLE": "1"})
     assert proc.returncode == 0
     lines = [line for line in proc.stdout.splitlines() if "disabled by LIGER_DDP_PATCH_DISABLE" in line]
-    assert len(lines) == 6
+    assert len(lines) == len(__import__("liger_ddp_patch.patches").patches.NAMES)
 
 
 def test_status_json_single_name_disabled():

@@ -108,6 +108,7 @@ class FusedLoss(nn.Module):  # stands in for the fused class the chunked-loss re
 
 class Trainer:
     use_liger_kernel = True
+    use_liger_gkd_loss = use_liger_loss = True  # what GKD/GOLD and Distillation read instead
 
     def __init__(self):
         from accelerate.utils import extract_model_from_parallel
@@ -192,5 +193,9 @@ def test_control_the_same_harness_sees_ddp_routed_and_swapped(process_group, spe
     seen = call_replacement(spec, ddp)
     assert len(seen.calls) == 1 and seen.calls[0][1] is inner and seen.calls[0][1] is not ddp
     assert len(seen.forwards) == 1 and seen.forwards[0][0] is inner and seen.forwards[0][1] is seen.inputs
+    if not spec.loss:  # GKD/GOLD/Distillation: TRL's JSD loss runs as is inside the wrapper's forward
+        assert seen.trainer.liger_loss is seen.loss
+        assert seen.notes[0][2] == "routed through DistributedDataParallel.forward"
+        return
     assert seen.trainer.liger_loss is not seen.loss and isinstance(seen.trainer.liger_loss, spec.loss_class())
     assert seen.notes[0][2].startswith("routed through DistributedDataParallel.forward, fused loss FusedLoss → ")

@@ -56,7 +56,10 @@ def test_patched_real_vocab_is_in_sync(tiny_real):
     # --tee 3: torchrun prefixes every line with the rank that printed it ("[default0]:")
     result = run_probe(tiny_real, "before", launch=("--tee", "3"))
     assert_in_sync(result)
-    assert {row["name"]: row["status"] for row in result["report"]} == dict.fromkeys(NAMES, "applied")
+    ours = {name for name in NAMES if name.startswith(("dpo_", "kto_"))}  # GKD & co: never imported by this run
+    assert {row["name"]: row["status"] for row in result["report"] if row["name"] in ours} == dict.fromkeys(
+        ours, "applied"
+    )
     assert {"dpo_compute_loss", "kto_compute_loss", "dpo_chunked_loss", "kto_chunked_loss"} <= NAMES
     assert {r["loss_class"] for r in result["results"]} == {"ChunkedDPOLoss", "ChunkedKTOLoss"}
     runtime = {row["name"]: row["runtime"] for row in result["report"]}

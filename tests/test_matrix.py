@@ -70,7 +70,11 @@ def _check_pair(version: str, unpatched: dict, patched: dict) -> None:
     statuses = {s["name"]: s for s in patched["report"]}
     assert set(statuses) == NAMES
     for status in statuses.values():
-        assert status["status"] == matrix.expected_status(version), status
+        expected = matrix.expected_status(version, status["name"])
+        if matrix.spec_of(status["name"]).loss:
+            assert status["status"] == expected, status
+        else:  # GKD/GOLD/Distillation: their trl.experimental modules are never imported by a DPO/KTO run
+            assert status["status"] in ("pending", expected), status
     before, after = _by_trainer(unpatched), _by_trainer(patched)
     for kind in ("dpo", "kto"):
         b, a = before[kind], after[kind]

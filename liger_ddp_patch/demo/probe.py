@@ -68,6 +68,20 @@ CONFIGS: dict[str, dict] = {
     # A PeftModel makes Trainer default ddp_find_unused_parameters=True, which DDP cannot combine with reentrant
     # checkpointing: "Expected to mark a variable ready only once", with or without Liger.
     "dpo-lora-gc-reentrant": {"trainer": "dpo", "lora": True, "checkpointing": "reentrant"},
+    # The distillation trainers (a student and a frozen teacher; lmbda=0 by default: no generation). lmbda=1: every
+    # batch is generated on-policy by the student under DDP first.
+    **{f"{kind}-onpolicy": {"trainer": kind, "lmbda": 1.0} for kind in ("gkd", "gold", "distillation")},
+    **{f"{kind}-lora": {"trainer": kind, "lora": True} for kind in ("gkd", "gold", "distillation")},
+    **{f"{kind}-find-unused": {"trainer": kind, "find_unused": True} for kind in ("gkd", "gold", "distillation")},
+    # find_unused_parameters=True with a head TRL 1.6-1.13 may keep outside DDP's forward: tied, or frozen (LoRA)
+    "gkd-find-unused-tied": {"trainer": "gkd", "find_unused": True, "tied": True},
+    "gkd-find-unused-lora": {"trainer": "gkd", "find_unused": True, "lora": True},
+    # Distillation's default loss_top_k=1 (the non-Liger loss on the top-1 token plus a tail bucket), which its Liger
+    # path ignores (full-vocabulary JSD); the other configs use loss_top_k=0 (full vocabulary) on both paths.
+    "distillation-top1": {"trainer": "distillation", "loss_top_k": 1},
+    "gkd-temp": {"trainer": "gkd", "temperature": 0.9},  # GKDConfig's default temperature (the others use 1.0)
+    # on the model of --real-assets (Qwen's 151,936-token vocabulary) in a launch whose other configs use --assets
+    **{f"{kind}-real-vocab": {"trainer": kind, "real_vocab": True} for kind in ("gkd", "distillation")},
 }
 LOSS_VARIABLE = "LIGER_DDP_PATCH_LOSS"  # settings.LOSS, spelled out: importing the package here would patch TRL
 ARMS = ("liger", "fused", "off")  # use_liger_kernel=True; the same with TRL's fused loss kept; use_liger_kernel=False
@@ -76,7 +90,8 @@ ARMS = ("liger", "fused", "off")  # use_liger_kernel=True; the same with TRL's f
 def setup(name: str, arm: str, args) -> argparse.Namespace:
     """The command line with config ``name``'s keys and ``arm`` applied (unknown names: a trainer's plain setup)."""
     defaults = {"lora": False, "modules_to_save": None, "peft_model": False, "checkpointing": None,
-                "find_unused": None, "ref_model": False, "loss_type": None, "loss_options": None}  # fmt: skip
+                "find_unused": None, "ref_model": False, "loss_type": None, "loss_options": None,
+                "lmbda": 0.0, "tied": False, "loss_top_k": 0, "temperature": 1.0, "real_vocab": False}  # fmt: skip
     merged = {**defaults, **vars(args), **CONFIGS.get(name, {"trainer": name}), "config": name, "arm": arm}
     if arm == "off":
         merged["no_liger"] = True
@@ -115,7 +130,12 @@ def _dataset(kind: str, rank: int):
     from datasets import Dataset
 
     rows = prompt_rows(rank)
-    if trainer_specs()[kind].dataset == "unpaired":
+    if trainer_specs()[kind].dataset == "messages":  # a conversation (TRL's DataCollatorForChatML reads `messages`)
+        rows = [
+            {"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["chosen"]}]}
+            for r in rows
+        ]
+    elif trainer_specs()[kind].dataset == "unpaired":
         rows = [
             {"prompt": r["prompt"], "completion": r["chosen" if i % 2 else "rejected"], "label": bool(i % 2)}
             for i, r in enumerate(rows)
@@ -167,8 +187,11 @@ def save_gradients(model: torch.nn.Module, path: str) -> dict:
     return {"params": len(grads)}
 
 
-def compare_across_ranks(model: torch.nn.Module) -> dict:
-    """Gradients of every parameter gathered from all ranks: how many differ from rank 0, and by how much."""
+def compare_across_ranks(model: torch.nn.Module, mean: dict | None = None) -> dict:
+    """Gradients of every parameter gathered from all ranks: how many differ from rank 0, and by how much.
+
+    ``mean``: filled with each gradient's mean over the ranks (what DDP's all-reduce would have made of them).
+    """
     world = dist.get_world_size()
     differing, total, max_diff, names = 0, 0, 0.0, []
     for name, param in model.named_parameters():
@@ -178,6 +201,8 @@ def compare_across_ranks(model: torch.nn.Module) -> dict:
         gathered = [torch.empty_like(grad) for _ in range(world)]
         dist.all_gather(gathered, grad)
         diff = max((gathered[0] - other).abs().max().item() for other in gathered[1:])
+        if mean is not None:
+            mean[name] = sum(gathered) / world
         total += 1
         max_diff = max(max_diff, diff)
         if diff > 0:
@@ -202,6 +227,15 @@ def _optional(args) -> dict:
         extra["ddp_find_unused_parameters"] = args.find_unused
     if args.loss_type:
         extra["loss_type"] = args.loss_type
+    if trainer_specs()[args.trainer].dataset == "messages":
+        # temperature 1 unless a config sets it (TRL 1.13's Liger path applies none); short generations (a
+        # completion shorter than max_length: GOLD 1.6 requires it); GOLD without its ULD loss; the full vocabulary
+        # for Distillation's loss. Each config takes the fields it has.
+        extra.update(lmbda=args.lmbda, beta=0.5, temperature=args.temperature, max_new_tokens=4,
+                     max_completion_length=8, use_uld_loss=False, loss_top_k=args.loss_top_k)  # fmt: skip
+        # no clipping: each unsynchronised rank would clip by its own norm, and the mean of the ranks' gradients
+        # (what the all-reduce makes of them, kept by --grads-out) would no longer be comparable
+        extra["max_grad_norm"] = 0.0
     return extra
 
 
@@ -232,9 +266,31 @@ def keep_fused(trainer, spec) -> None:
     loss.__class__ = type(f"Kept{type(loss).__name__}", (type(loss),), {})
 
 
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} <eos> {% endfor %}"
+
+
+def _teacher(assets: str, dtype):
+    """The student's architecture with its own weights (seeded), frozen as TRL freezes a teacher."""
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(assets, dtype=dtype)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in teacher.parameters():
+            param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.05)
+    return teacher
+
+
+def _state(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def _config(config_cls, kind: str, args):
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(config_cls)}
     return config_cls(
-        **_optional(args),
+        **{k: v for k, v in _optional(args).items() if k in fields},
         output_dir=tempfile.mkdtemp(prefix=f"probe-{kind}-"),
         use_liger_kernel=not args.no_liger,
         liger_kernel_config=NO_TRITON,
@@ -261,12 +317,19 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
 
     args = setup(name, arm, args)
+    if args.real_vocab:
+        if not args.real_assets:
+            raise SystemExit(f"config {name} needs --real-assets")
+        assets = args.real_assets
     kind, out = args.trainer, tag(name, arm)
     spec = trainer_specs()[kind]
     config_cls, trainer_cls = _trainer_classes(kind)
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     tokenizer = AutoTokenizer.from_pretrained(assets)
     model = AutoModelForCausalLM.from_pretrained(assets, dtype=getattr(torch, args.model_dtype))
+    if args.tied:  # the head becomes the input embedding (as tied checkpoints load)
+        model.config.tie_word_embeddings = True
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     config = _config(config_cls, kind, args)
     result: dict = {"trainer": kind, "config": name, "arm": arm}
     # The eval set is the same on every rank: the Trainer shards it, so eval metrics are comparable across runs.
@@ -279,6 +342,15 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
         extra["peft_config"] = _lora(args)
     if args.ref_model:
         extra["ref_model"] = AutoModelForCausalLM.from_pretrained(assets, dtype=getattr(torch, args.model_dtype))
+    teacher = teacher_before = None
+    if spec.dataset == "messages":
+        tokenizer.chat_template = CHAT_TEMPLATE
+        if kind == "gold":  # GOLD 1.6+ refuses a tokenizer without a ByteLevel decoder (even without its ULD loss)
+            from tokenizers import decoders
+
+            tokenizer.backend_tokenizer.decoder = decoders.ByteLevel()
+        extra["teacher_model"] = teacher = _teacher(assets, getattr(torch, args.model_dtype))
+        teacher_before = _state(teacher)
     if args.weights_out and rank == 0:
         torch.save({k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()},
                    f"{args.weights_out}.{out}.init.pt")  # fmt: skip
@@ -297,9 +369,11 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
         def on_pre_optimizer_step(self, _args, state, control, **kwargs):
             model = trainer.accelerator.unwrap_model(trainer.model)
             if dist.is_initialized():
-                result.update(compare_across_ranks(model))
+                mean: dict = {}
+                result.update(compare_across_ranks(model, mean))
                 if args.grads_out and state.global_step == 0 and rank == 0:  # after DDP's all-reduce
                     save_gradients(model, f"{args.grads_out}.{out}.pt")
+                    torch.save(mean, f"{args.grads_out}.{out}.mean.pt")  # what an all-reduce would have made
             elif args.grads_out and state.global_step == 0:
                 result.update(save_gradients(model, f"{args.grads_out}.{out}.pt"))
 
@@ -328,12 +402,17 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
         torch.save({k: v.detach().float().cpu() for k, v in weights.items()}, f"{args.weights_out}.{out}.pt")
     attribute = spec.loss_attribute(trainer)
     result["loss_class"] = type(getattr(trainer, attribute)).__name__ if attribute else "NoneType"
+    if teacher is not None:  # the teacher must come out bit for bit as it went in
+        after = _state(teacher)
+        result["teacher_changed"] = sum(not torch.equal(v, after[k]) for k, v in teacher_before.items())
+        result["teacher_params"] = len(after)
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--assets", required=True, help="folder with the tiny model and tokenizer (demo.tiny.build)")
+    parser.add_argument("--real-assets", help="the same at the real vocabulary, for the *-real-vocab configs")
     parser.add_argument("--trainers", default="dpo,kto")
     parser.add_argument(
         "--configs", help="comma-separated keys of CONFIGS (or trainer names), run in turn; overrides --trainers"

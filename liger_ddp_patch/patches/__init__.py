@@ -1,52 +1,67 @@
-"""The patch records, three per trainer spec: route its compute_loss under DDP, arm the swap of its fused loss, and
-say which of the user's settings TRL's Liger path drops (a warning only)."""
+"""The patch records, up to three per trainer spec: route its compute_loss under DDP, arm the swap of its fused loss
+(DPO/KTO), and say which of the user's settings TRL's Liger path drops (a warning only)."""
 
 from __future__ import annotations
 
 from ..engine import Patch
-from . import chunked_loss, compute_loss, settings_warning, trl_versions
+from . import chunked_loss, compute_loss, liger_settings, settings_warning, trl_versions
 from .trainers import SPECS, TrainerSpec
 
-# Releases whose trainer code we have read, the affected range and the fix: a release outside RELEASES is "unknown",
-# and the shape check decides.
-_TRL = dict(
-    distribution="trl", affected=trl_versions.AFFECTED, fixed_in=trl_versions.FIXED_IN, releases=trl_versions.RELEASES
-)
+
+def _trl(spec: TrainerSpec) -> dict:
+    """Releases whose trainer code we have read, the spec's affected range and its fix: a release outside RELEASES is
+    "unknown", and the shape check decides."""
+    return dict(
+        distribution="trl",
+        affected=spec.affected or trl_versions.AFFECTED,
+        fixed_in=spec.fixed_in or trl_versions.FIXED_IN,
+        releases=trl_versions.RELEASES,
+    )
 
 
-def records(spec: TrainerSpec) -> tuple[Patch, Patch, Patch]:
+def records(spec: TrainerSpec) -> tuple[Patch, ...]:
+    """The spec's records: its compute_loss always; the loss swap when it has one (DPO/KTO); the settings warning when
+    some release of its Liger path drops or changes a setting (:mod:`.liger_settings`)."""
     label, ours = spec.name.upper(), spec.loss.partition(":")[2]
-    return (
+    found = (
         Patch(
             name=spec.compute_loss_patch,
             module=spec.hooked_modules,
             attribute=(f"{spec.trainer}.compute_loss",),
-            check=compute_loss.check,
+            check=compute_loss.checker(spec),
             replace=compute_loss.replacer(spec),
             summary=f"routes the Liger {label} loss of trainers that run under DistributedDataParallel through the "
             "wrapper's forward; every other setup runs TRL's own code",
-            **_TRL,
-        ),
-        Patch(
-            name=spec.chunked_loss_patch,
-            module=spec.hooked_modules,
-            attribute=spec.fused,
-            check=chunked_loss.checker(spec),
-            replace=None,  # armed: the compute_loss patch swaps a DDP trainer's loss object at run time
-            requires=("liger_kernel",),  # 1.0.0-1.12.0 import the fused loss only when liger-kernel is installed
-            summary=f"swaps the fused loss of {label} trainers that run under DistributedDataParallel for {ours}",
-            **_TRL,
-        ),
-        Patch(
-            name=spec.liger_settings_patch,
-            module=spec.hooked_modules,
-            attribute=(f"{spec.trainer}.__init__",),
-            check=settings_warning.checker(spec),
-            replace=settings_warning.replacer(spec),
-            summary=f"warns once per setting that TRL's Liger {label} loss drops; changes nothing",
-            **_TRL,
+            **_trl(spec),
         ),
     )
+    if spec.loss:
+        found += (
+            Patch(
+                name=spec.chunked_loss_patch,
+                module=spec.hooked_modules,
+                attribute=spec.fused,
+                check=chunked_loss.checker(spec),
+                replace=None,  # armed: the compute_loss patch swaps a DDP trainer's loss object at run time
+                requires=("liger_kernel",),  # 1.0.0-1.12.0 import the fused loss only when liger-kernel is installed
+                summary=f"swaps the fused loss of {label} trainers that run under DistributedDataParallel for {ours}",
+                **_trl(spec),
+            ),
+        )
+    if liger_settings.facts(spec.name):
+        found += (
+            Patch(
+                name=spec.liger_settings_patch,
+                module=spec.hooked_modules,
+                attribute=(f"{spec.trainer}.__init__",),
+                check=settings_warning.checker(spec),
+                replace=settings_warning.replacer(spec),
+                summary=f"warns once per setting that TRL's Liger {label} loss drops or computes differently; changes "
+                "nothing",
+                **_trl(spec),
+            ),
+        )
+    return found
 
 
 PATCHES = tuple(record for spec in SPECS for record in records(spec))

@@ -10,6 +10,11 @@ the ZeRO-3/FSDP redirect, the re-raised image-token ``ValueError``), stays exact
 TRL 1.0.0-1.8.0 pass the DDP wrapper itself into the Liger path, which crashes (no ``get_decoder``/``base_model``
 on ``DistributedDataParallel``). The same replacement fixes that: the original runs on the unwrapped model, inside
 the wrapper's forward. Which releases have which shape: :mod:`.trainers`.
+
+The distillation trainers (GKD, GOLD, Distillation; TRL issue #5282) get the same replacement: in 1.0.0-1.5.1 they run
+the student's decoder on the unwrapped model (silently unsynchronised under DDP); in 1.6.0-1.13.0 TRL routes the
+decoder but uses the head outside the wrapper's forward, which DDP rejects only with find_unused_parameters=True and an
+untied trainable head: only that setup is routed (:func:`head_route`).
 """
 
 from __future__ import annotations
@@ -47,6 +52,19 @@ SHAPES: dict[str, dict[str, str]] = {
         "loss, metrics = self.get_batch_loss_metrics(model, inputs)": "the get_batch_loss_metrics call",
     },
 }
+# The distillation trainers' Liger JSD path, in compute_loss or in the `_compute_liger_loss` it calls (Distillation).
+_STUDENT = {
+    "unwrapped_student = self.accelerator.unwrap_model(model)": "the unwrap of the student",
+    "student_weight=student_head.weight": "the student head's weight handed to the JSD loss",
+}
+# 1.0.0-1.5.1 (TRL #5282): the student's decoder runs on the unwrapped model, outside DDP's forward.
+SHAPES["decoder_unrouted"] = {**_STUDENT, "student_outputs = base_student(": "the direct call of the student's decoder"}
+# 1.6.0-1.13.0 (TRL PR #5934): the decoder is routed, the head is used after the wrapper's forward returned.
+SHAPES["head_outside"] = {
+    **_STUDENT,
+    "self._forward_redirection( model, unwrapped_student,": "the routed student decoder",
+}
+_LIGER_HELPER = "self._compute_liger_loss(model, inputs"  # Distillation's compute_loss hands its Liger path on
 _BATCH_METRICS_LIGER = {
     "if self.args.use_liger_kernel:": "the `args.use_liger_kernel` branch of get_batch_loss_metrics",
     "self._compute_loss_liger(model, batch)": "the Liger call on the model passed in",
@@ -63,8 +81,11 @@ def _owner(func: Any) -> Any:
     return owner if isinstance(owner, type) else None
 
 
-def shape(original: Any) -> tuple[str | None, str]:
-    """``(shape name, "")`` when ``original`` is a compute_loss we know how to fix, else ``(None, why not)``."""
+def shape(original: Any, names: tuple[str, ...] | None = None) -> tuple[str | None, str]:
+    """``(shape name, "")`` when ``original`` is a compute_loss we know how to fix, else ``(None, why not)``.
+
+    ``names``: only these keys of :data:`SHAPES` (a spec's own shapes); default every one.
+    """
     if not callable(original):
         return None, f"compute_loss is a {type(original).__name__}, not a function"
     if _shape.parameters(original) != _SIGNATURE:
@@ -72,10 +93,15 @@ def shape(original: Any) -> tuple[str | None, str]:
     source = _shape.source_of(original)
     if source is None:
         return None, "the source of compute_loss is not available, so its shape cannot be verified"
+    if _LIGER_HELPER in source:
+        helper = getattr(_owner(original), "_compute_liger_loss", None)
+        source += " " + (_shape.source_of(helper) or "")
     if _FIXED in source:
         return None, "compute_loss already redirects when `model is not unwrapped_model` (upstream's fix)"
     misses = {}
     for name, required in SHAPES.items():
+        if names is not None and name not in names:
+            continue
         why = _shape.missing(source, required)
         if why is None and name == "batch_metrics":
             owner = _owner(original)
@@ -86,7 +112,7 @@ def shape(original: Any) -> tuple[str | None, str]:
                 else _shape.missing(helper, _BATCH_METRICS_LIGER)
             )
         if why is None:
-            if name != "guarded" and "_forward_redirection(" in source:
+            if name not in ("guarded", "head_outside") and "_forward_redirection(" in source:
                 why = "it already calls `_forward_redirection` itself"
             else:
                 return name, ""
@@ -99,11 +125,29 @@ def check(original: Any) -> str | None:
     return None if name else why
 
 
-def _uses_liger(trainer: Any) -> bool:
-    """``self.use_liger_kernel``; the 1.0.0-1.4.0 KTO trainer only has ``self.args.use_liger_kernel``."""
-    flag = getattr(trainer, "use_liger_kernel", None)
+def checker(spec: TrainerSpec) -> Callable[[Any], str | None]:
+    """The shape check of ``spec``'s compute_loss: one of the shapes its releases have."""
+    names = tuple(dict.fromkeys(s for _, s in spec.shapes if s in SHAPES))
+
+    def check(original: Any) -> str | None:
+        name, why = shape(original, names)
+        return None if name else why
+
+    return check
+
+
+def _uses_liger(trainer: Any, spec: TrainerSpec) -> bool:
+    """Does this compute_loss call take the Liger path?
+
+    The first of ``spec.liger_flags`` the trainer has (DPO/KTO: ``self.use_liger_kernel``; GKD/GOLD:
+    ``self.use_liger_gkd_loss``), else ``self.args.use_liger_kernel`` (the 1.0.0-1.4.0 KTO trainer); never when every
+    ``spec.not_liger_when`` attribute is set (GOLD's ULD loss calls the wrapper itself).
+    """
+    flag = next((getattr(trainer, f) for f in spec.liger_flags if getattr(trainer, f, None) is not None), None)
     if flag is None:
         flag = getattr(getattr(trainer, "args", None), "use_liger_kernel", False)
+    if spec.not_liger_when and all(getattr(trainer, a, None) not in (None, False) for a in spec.not_liger_when):
+        return False
     return bool(flag)
 
 
@@ -122,6 +166,30 @@ def route(model: Any, unwrapped: Any, uses_liger: bool) -> tuple[bool, str]:
     if isinstance(model, DistributedDataParallel):
         return True, f"routed through {type(model).__name__}.forward"
     return False, f"{'no wrapper' if model is unwrapped else type(model).__name__}: left to TRL"
+
+
+def head_route(wrapper: Any, unwrapped: Any) -> tuple[bool, str]:
+    """For TRL 1.6.0-1.13.0's distillation trainers, which route the decoder themselves: ``(route?, why)``.
+
+    The head is used after the wrapper's forward. With ``find_unused_parameters=False`` DDP still all-reduces its
+    gradient (its hook fires in backward), and a head tied to the input embedding gets its gradient hook once, so
+    those keep TRL's code. With ``find_unused_parameters=True`` DDP marks an untied head unused at the end of its
+    forward, then its gradient arrives: "Expected to mark a variable ready only once". Routed, the head's use is
+    inside the wrapper's forward, as with ``use_liger_kernel=False``.
+    """
+    if not getattr(wrapper, "find_unused_parameters", False):
+        return False, "TRL routes the decoder and DDP all-reduces the head (find_unused_parameters=False): left to TRL"
+    head = unwrapped.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if weight is None or not weight.requires_grad:
+        return False, "the head is frozen (find_unused_parameters=True): left to TRL"
+    embedding = unwrapped.get_input_embeddings()
+    if getattr(embedding, "weight", None) is weight:
+        return False, "the head is tied to the input embedding (find_unused_parameters=True): left to TRL"
+    return True, (
+        f"routed through {type(wrapper).__name__}.forward (find_unused_parameters=True and an untied trainable head: "
+        "TRL's own code would stop with 'Expected to mark a variable ready only once')"
+    )
 
 
 def redirect_forward(wrapper: Any, inner: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
@@ -157,23 +225,29 @@ def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
     checked: weakref.WeakSet = weakref.WeakSet()  # wrappers already looked at by pitfalls.warn (first routed call)
 
     def replace(original: Any, engine: Any) -> Any:
+        # TRL 1.6-1.13's distillation trainers route the decoder themselves: only their head is at stake
+        head_only = shape(original, ("head_outside",))[0] == "head_outside"
+
         @functools.wraps(original)
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            uses_liger = _uses_liger(self)
+            uses_liger = _uses_liger(self, spec)
             unwrapped = self.accelerator.unwrap_model(model) if uses_liger else model
             routed, decision = route(model, unwrapped, uses_liger)
+            if routed and head_only:
+                routed, decision = head_route(model, unwrapped)
             trainer = type(self).__name__
             if not routed:
                 engine.note(name, trainer, decision)
                 return original(self, model, inputs, return_outputs, num_items_in_batch)
-            decision = f"{decision}, {chunked_loss.swap(self, engine.original(spec.chunked_loss_patch), spec)}"
+            if spec.loss:
+                decision = f"{decision}, {chunked_loss.swap(self, engine.original(spec.chunked_loss_patch), spec)}"
             if model not in checked:
                 checked.add(model)
                 pitfall = pitfalls.warn(model, unwrapped)
                 if pitfall:
                     engine.note(name, trainer, pitfall)
             engine.note(name, trainer, decision)
-            announce("liger_ddp_patch: %s under DistributedDataParallel: %s (TRL #7245)", trainer, decision)
+            announce("liger_ddp_patch: %s under DistributedDataParallel: %s (%s)", trainer, decision, spec.upstream)
 
             # Inside the wrapper's forward the original sees an unwrapped model and takes its plain Liger path.
             def run(unwrapped_model, inputs, return_outputs):

@@ -32,7 +32,7 @@ class Call(NamedTuple):
 class Dropped(NamedTuple):
     """One setting the Liger path of ``trainer`` drops in ``releases`` (with ``liger`` installed, where it matters)."""
 
-    trainer: str  # a TrainerSpec name: "dpo" | "kto"
+    trainer: str  # a TrainerSpec name: "dpo" | "kto" | "gkd" | "distillation"
     setting: str  # the config field (or what the user did), as the docs show it
     read: Callable[[Call], str | None]  # "setting=value" when the user's value is one the non-Liger path acts on
     default: str  # the value that drops nothing
@@ -159,6 +159,42 @@ FACTS: tuple[Dropped, ...] = (
         applied="rewards are log-ratios against that reference",
         later="TRL 1.13 uses the reference",
         remedy="Upgrade to TRL 1.13, pass a ref_model, or set use_liger_kernel=False.", upstream="TRL #7062, #7063",
+    ),
+)  # fmt: skip
+
+
+def _always(what: str) -> Callable[[Call], str | None]:
+    """A reader for what the Liger path changes whatever the user set."""
+    return lambda call: what
+
+
+# GKD and Distillation (trl.experimental): their Liger JSD loss against their non-Liger generalized JSD loss.
+# Proven by the 2-rank runs of tests/test_distill.py (test_liger_path_facts).
+FACTS += (
+    Dropped(
+        "gkd", "the loss", _always("the loss"), "pure JSD", releases=">=1.0.0,<1.4.0", liger="", verb="changes",
+        lost="TRL builds Liger's JSD loss with Liger's defaults weight_hard_loss=0.5, weight_soft_loss=0.5, so the "
+        "Liger loss is half the JSD plus half a cross-entropy on the completion tokens",
+        applied="the loss is the generalized JSD alone",
+        later="TRL 1.4 builds it with weight_hard_loss=0.0, weight_soft_loss=1.0",
+        remedy="Upgrade to TRL 1.4, or set use_liger_kernel=False, for the pure JSD loss.", upstream="TRL 1.4.0",
+    ),
+    Dropped(
+        "gkd", "temperature", config("temperature", 1.0), "0.9", releases=">=1.0.0,<1.4.0", liger="",
+        verb="applies",
+        lost="the Liger JSD loss divides the student's and the teacher's logits by it",
+        applied="the non-Liger loss does not (the temperature only samples on-policy completions)",
+        later="TRL 1.4 no longer passes it to the Liger loss",
+        remedy="Upgrade to TRL 1.4, set temperature=1.0, or set use_liger_kernel=False, for the same loss both "
+        "ways.", upstream="TRL 1.4.0",
+    ),
+    Dropped(
+        "distillation", "loss_top_k", config("loss_top_k", 0), "1", releases=">=1.1.0,<1.9.0", liger="",
+        lost="the Liger JSD loss runs over the full vocabulary",
+        applied="the non-Liger loss restricts both distributions to the top-k tokens (plus a tail bucket)",
+        later="TRL 1.9 removed the setting",
+        remedy="Set loss_top_k=0 (the full vocabulary, as the Liger loss), or use_liger_kernel=False.",
+        upstream="TRL 1.9.0",
     ),
 )  # fmt: skip
 

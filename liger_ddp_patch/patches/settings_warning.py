@@ -1,4 +1,5 @@
-"""Say, once per setting, what TRL's Liger DPO/KTO path is about to drop (the facts: :mod:`.liger_settings`).
+"""Say, once per setting, what TRL's Liger path is about to drop or compute differently (the facts:
+:mod:`.liger_settings`).
 
 The replacement wraps the trainer's ``__init__`` and reads the call's arguments *before* TRL's own ``__init__`` runs,
 so the exo_pair warning comes before Liger's "label_smoothing must be > 0" error. It only reads: the trainer TRL
@@ -17,7 +18,10 @@ from ..log import warn_once
 from . import _shape, liger_settings
 from .trainers import TrainerSpec
 
-_PARAMETERS = ("model", "ref_model", "args", "peft_config")  # what the readers need from the call
+_PARAMETERS = (
+    "model",
+    "args",
+)  # what every reader needs from the call (ref_model/peft_config: where the trainer has them)
 
 
 def checker(spec: TrainerSpec) -> Callable[[Any], str | None]:

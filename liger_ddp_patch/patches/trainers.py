@@ -1,7 +1,8 @@
 """One spec per TRL trainer we fix: where it lives, how its code is shaped release by release, which loss it builds.
 
 The patch records (``patches/__init__.py``), the run-time loss swap, the docs table and the demo probe all loop over
-:data:`SPECS`. Supporting one more trainer is one spec here plus one loss module in :mod:`liger_ddp_patch.losses`;
+:data:`SPECS`. Supporting one more trainer is one spec here, plus one loss module in :mod:`liger_ddp_patch.losses`
+when its fused loss cannot run inside DDP's forward (DPO/KTO; the JSD loss of GKD, GOLD and Distillation can);
 a release is placed by the first release of each range, so one more TRL release with a known shape is one entry in
 :data:`liger_ddp_patch.patches.trl_versions.RELEASES`. Every fact was read from the released wheels.
 """
@@ -25,12 +26,22 @@ class TrainerSpec(NamedTuple):
     name: str  # short name, the prefix of its patch names: dpo -> dpo_compute_loss, dpo_chunked_loss
     trainer: str  # the class name in TRL
     config: str  # its config class, importable from the trainer's module
-    dataset: str  # the TRL dataset type it trains on: "preference" (chosen/rejected) or "unpaired" (completion/label)
+    # the TRL dataset type it trains on: "preference" (chosen/rejected), "unpaired" (completion/label) or "messages"
+    # (a conversation; the distillation trainers, which also take a teacher model)
+    dataset: str
     modules: tuple[tuple[str, str], ...]  # (first release, the module that defines the trainer class)
     shapes: tuple[tuple[str, str], ...]  # (first release, compute_loss shape: a key of compute_loss.SHAPES, or "fixed")
-    fused: tuple[str, ...]  # the names the trainer module gives the fused loss class (Liger's; TRL 1.13's own)
-    loss_attributes: tuple[str, ...]  # where the trainer keeps the fused loss object it built (any release)
-    loss: str  # our replacement, "module:Class"
+    fused: tuple[str, ...] = ()  # the names the trainer module gives the fused loss class (Liger's; TRL 1.13's own)
+    loss_attributes: tuple[str, ...] = ()  # where the trainer keeps the fused loss object it built (any release)
+    loss: str = ""  # our replacement, "module:Class" ("": the fused loss runs as is inside DDP's forward, no swap)
+    # PEP 440 range of the releases with the bug, and the first release without it ("": the package's own range,
+    # trl_versions.AFFECTED / FIXED_IN)
+    affected: str = ""
+    fixed_in: str = ""
+    liger_flags: tuple[str, ...] = ("use_liger_kernel",)  # the first trainer attribute present says "Liger path on"
+    # trainer attributes that, all set, send compute_loss down a path without the Liger loss (GOLD's ULD loss)
+    not_liger_when: tuple[str, ...] = ()
+    upstream: str = "TRL #7245"  # the upstream issue the rank-0 line cites
 
     @property
     def compute_loss_patch(self) -> str:
@@ -93,4 +104,62 @@ KTO = TrainerSpec(
     loss="liger_ddp_patch.losses:ChunkedKTOLoss",
 )
 
-SPECS: tuple[TrainerSpec, ...] = (DPO, KTO)
+# The distillation trainers (TRL issue #5282, fixed in 1.6.0 by PR #5934): 1.0.0-1.5.1 run the student's decoder on the
+# unwrapped model and hand the head's weight to Liger's JSD loss ("decoder_unrouted": every rank trains its own
+# student under DDP); 1.6.0-1.13.0 route the decoder but use the head outside the wrapper's forward ("head_outside":
+# in sync, but DDP stops with "Expected to mark a variable ready only once" when find_unused_parameters=True and the
+# head is untied and trainable). The JSD loss is Liger's torch.func path with compiled=False, which runs inside DDP's
+# forward (shown at vocabulary 151,936 by tests/test_distill.py): no loss swap. 1.14.0 removed their Liger path.
+_JSD = ("LigerFusedLinearJSDLoss", "FusedLinearJSDLoss")  # Liger's; TRL 1.13's vendored copy
+
+GKD = TrainerSpec(
+    name="gkd",
+    trainer="GKDTrainer",
+    config="GKDConfig",
+    dataset="messages",
+    modules=(("1.0.0", "trl.experimental.gkd.gkd_trainer"),),
+    shapes=(("1.0.0", "decoder_unrouted"), ("1.6.0", "head_outside"), ("1.14.0", "fixed")),
+    affected=">=1.0.0,<1.14.0",
+    fixed_in="1.14.0",
+    liger_flags=("use_liger_gkd_loss",),
+    fused=_JSD,
+    loss_attributes=("liger_jsd_loss", "liger_loss"),  # liger_loss from 1.6.0
+    upstream="TRL #5282",
+)
+
+GOLD = TrainerSpec(
+    name="gold",
+    trainer="GOLDTrainer",
+    config="GOLDConfig",
+    dataset="messages",
+    modules=(("1.0.0", "trl.experimental.gold.gold_trainer"),),
+    shapes=(("1.0.0", "decoder_unrouted"), ("1.6.0", "head_outside"), ("1.14.0", "fixed")),
+    affected=">=1.0.0,<1.14.0",
+    fixed_in="1.14.0",
+    liger_flags=("use_liger_gkd_loss",),
+    fused=_JSD,
+    loss_attributes=("liger_jsd_loss", "liger_loss"),
+    not_liger_when=("use_uld_loss", "teacher_tokenizer"),  # the ULD branch calls the model (the wrapper) itself
+    upstream="TRL #5282",
+)
+
+# Added in 1.1.0 (trl.experimental); 1.10.0 promoted it to trl.trainer, where the whole loss is routed.
+DISTILLATION = TrainerSpec(
+    name="distillation",
+    trainer="DistillationTrainer",
+    config="DistillationConfig",
+    dataset="messages",
+    modules=(
+        ("1.1.0", "trl.experimental.distillation.distillation_trainer"),
+        ("1.10.0", "trl.trainer.distillation_trainer"),
+    ),
+    shapes=(("1.1.0", "decoder_unrouted"), ("1.6.0", "head_outside"), ("1.10.0", "fixed")),
+    affected=">=1.1.0,<1.10.0",
+    fixed_in="1.10.0",
+    liger_flags=("use_liger_loss",),
+    fused=_JSD,
+    loss_attributes=("liger_jsd_loss", "liger_loss"),
+    upstream="TRL #5282",
+)
+
+SPECS: tuple[TrainerSpec, ...] = (DPO, KTO, GKD, GOLD, DISTILLATION)
