@@ -120,11 +120,6 @@ def shape(original: Any, names: tuple[str, ...] | None = None) -> tuple[str | No
     return None, "no known shape matches: " + "; ".join(f"{name}: {why}" for name, why in misses.items())
 
 
-def check(original: Any) -> str | None:
-    name, why = shape(original)
-    return None if name else why
-
-
 def checker(spec: TrainerSpec) -> Callable[[Any], str | None]:
     """The shape check of ``spec``'s compute_loss: one of the shapes its releases have."""
     names = tuple(dict.fromkeys(s for _, s in spec.shapes if s in SHAPES))
