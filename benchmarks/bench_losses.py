@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -260,11 +259,12 @@ def main():
         (k, d, B, L, f) for k in args.kinds.split(",") for d in args.dtypes.split(",") for f in fracs for B, L in sizes
     ]
     arms = args.arms.split(",")
+    import _machine
     import torch
 
     started = time.time()
     print(
-        f"# {time.strftime('%Y-%m-%d %H:%M')}  {platform.processor() or platform.machine()}  {os.cpu_count()} CPUs  "
+        f"# {time.strftime('%Y-%m-%d %H:%M')}  {_machine.describe()}  {os.cpu_count()} CPUs  "
         f"torch {torch.__version__}  threads {args.threads or torch.get_num_threads()}  H={H} V={V}  "
         f"rounds={args.rounds} reps={args.reps}",
         file=sys.stderr,

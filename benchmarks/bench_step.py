@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -492,10 +491,11 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-step-"))
     size["max_len"] = max(4096, *(c[3] for c in configs))
     assets = build_assets(work / "model", size)
+    import _machine
     import torch
 
     started = time.monotonic()
-    header = (f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC  {platform.machine()}  {os.cpu_count()} CPUs  "
+    header = (f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC  {_machine.describe()}  {os.cpu_count()} CPUs  "
               f"torch {torch.__version__}  {args.nproc} ranks x {args.threads} thread(s), gloo  V={size['V']:,} "
               f"H={size['H']} layers={size['layers']} ({n_params(size) / 1e6:.0f} M parameters, tied)  "
               f"SGD  rounds={args.rounds} warm-up={args.warmup} measured steps={args.steps}")  # fmt: skip

@@ -56,6 +56,9 @@ def main():
     ap.add_argument("--sizes", default="4x512,2x2048")
     ap.add_argument("--prompt-fracs", default="0.5,0.0")
     args = ap.parse_args()
+    import _machine
+
+    print(f"# {_machine.describe()}")
     hdr = ["loss", "dtype", "prompt", "B x L", "ours ms", "floor ms"]
     hdr += [f"{b} %" for b in (*BUCKETS, "other")] + ["GEMM excess %", "non-GEMM %"]
     print("| " + " | ".join(hdr) + " |\n|" + "---|" * len(hdr))

@@ -47,8 +47,8 @@ class Row(NamedTuple):
 
 
 _DPO_KTO = ("dpo_compute_loss", "dpo_chunked_loss", "kto_compute_loss", "kto_chunked_loss")
-_JSD = ("gkd_compute_loss", "gold_compute_loss", "distillation_compute_loss")
-_ALL = ("dpo", "kto", "gkd", "gold", "distillation")
+_JSD = ("gkd_compute_loss", "gold_compute_loss", "distillation_compute_loss", "iw_opd_compute_loss")
+_ALL = ("dpo", "kto", "gkd", "gold", "distillation", "iw_opd")
 
 ROWS: tuple[Row, ...] = (
     Row(("dpo", "kto"), "DPO, KTO", "1.9.0", "1.13.0", DDP, SILENT,
@@ -62,14 +62,11 @@ ROWS: tuple[Row, ...] = (
         "runs the student's Liger loss inside DDP's `forward`", _JSD[:2]),
     Row(("distillation",), "Distillation (`trl.experimental`)", "1.1.0", "1.5.1", DDP, SILENT,
         "as GKD", "as GKD", _JSD[2:]),
-    Row(("gkd", "gold", "distillation"), "GKD, GOLD; Distillation (`trl.experimental`) to 1.9.2",
+    Row(("gkd", "gold", "distillation", "iw_opd"),
+        "GKD, GOLD; Distillation (`trl.experimental`) to 1.9.2; IW-OPD (`trl.experimental`) from 1.9.0",
         "1.6.0", "1.13.0", "DDP + `ddp_find_unused_parameters=True` + untied trainable `lm_head`", CRASH,
         "`Expected to mark a variable ready only once`",
         "uses the head inside DDP's `forward`: it trains (other DDP setups: TRL's code)", _JSD),
-    Row((), "IW-OPD (`trl.experimental`)", "1.9.0", "1.13.0",
-        "DDP + `ddp_find_unused_parameters=True` + untied trainable `lm_head`", CRASH,
-        "`Expected to mark a variable ready only once` (the same code as Distillation's)",
-        "**nothing yet**: keep `ddp_find_unused_parameters=False` (TRL's default) or `use_liger_kernel=False`"),
     Row(_ALL, "all of the above", "1.0.0", None, OTHER, FINE,
         "one process, `DataParallel`, DeepSpeed (ZeRO 0–3), FSDP/FSDP2", "nothing: TRL's own code, bit for bit"),
     Row(_ALL, "all of the above", "1.14.0", None, ANY, FINE,

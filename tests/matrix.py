@@ -153,6 +153,12 @@ DISTILL_LINES: dict[str, tuple[DistillLine, ...]] = {
         DistillLine("1.10.0", "nothing: promoted to `trl.trainer`, which routes the whole Liger loss through the "
                     "wrapper's forward", "synced", "nothing (`not_needed`: fixed upstream in 1.10.0)"),
     ),
+    # IW-OPD: Distillation's pre-1.9 code, frozen in trl.experimental.iw_opd (Liger needs distillation_objective="jsd")
+    "iw_opd": (
+        DistillLine("1.0.0", "nothing: no IWOPDTrainer before 1.9.0", "absent", "nothing"),
+        DistillLine("1.9.0", _HEAD, "crash", _ROUTE_HEAD),
+        DistillLine("1.14.0", "nothing (no Liger JSD path)", "synced", "nothing: TRL 1.14 removed its Liger path"),
+    ),
 }  # fmt: skip
 
 
@@ -164,6 +170,7 @@ DISTILL_OBSERVED: dict[str, str] = {
     "1.1.0": "GKD 25 → 0, GOLD 25 → 0, Distillation 25 → 0",
     "1.5.1": "GKD 25 → 0, GOLD 25 → 0, Distillation 25 → 0",
     "1.6.0": "find_unused_parameters=True: GKD, GOLD, Distillation crash → 0",
+    "1.12.0": "find_unused_parameters=True: IW-OPD crash → 0",
 }
 
 
@@ -183,7 +190,7 @@ REPRESENTATIVES = tuple(
 # Releases whose code the fake-version tests borrow.
 FAKE_SOURCES = ("1.12.0", "1.13.0", "1.14.0", "1.16.0")
 # The distillation trainers' 2-rank runs (tests/test_distill.py): in every CI run, and with the full matrix.
-DISTILL_ALWAYS = ("1.0.0", "1.5.1", "1.6.0")
+DISTILL_ALWAYS = ("1.0.0", "1.5.1", "1.6.0", "1.12.0")
 DISTILL_FULL = ("1.1.0", "1.9.2", "1.13.0")
 
 
@@ -225,7 +232,7 @@ def _observed(version: str) -> str:
 
 
 FUSED_SPECS = tuple(s for s in SPECS if s.loss)  # DPO, KTO: the trainers of the first table (their loss swapped)
-DISTILL_SPECS = tuple(s for s in SPECS if not s.loss)  # GKD, GOLD, Distillation
+DISTILL_SPECS = tuple(s for s in SPECS if not s.loss)  # GKD, GOLD, Distillation, IW-OPD
 
 
 def _per_trainer(version: str, fact) -> str:
@@ -288,9 +295,9 @@ def _distill_cell(spec, version: str) -> str:
 
 
 def render_distill() -> list[str]:
-    """The second table: GKD, GOLD and Distillation, each with its own range (TRL issue #5282)."""
+    """The second table: GKD, GOLD, Distillation and IW-OPD, each with its own range (TRL issue #5282)."""
     rows = [
-        "## GKD, GOLD and Distillation (`trl.experimental`)",
+        "## GKD, GOLD, Distillation and IW-OPD (`trl.experimental`)",
         "",
         "Patches: "
         + ", ".join(f"`{s.compute_loss_patch}` (affected `{s.affected}`, fixed in {s.fixed_in})" for s in DISTILL_SPECS)
@@ -386,7 +393,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["versions"]:
         print(render_versions(), end="")
     elif sys.argv[1:2] == ["liger-settings"]:
-        print(render_liger_settings(("gkd", "distillation") if "--distill" in sys.argv else ("dpo", "kto")), end="")
+        distill = ("gkd", "distillation", "iw_opd")
+        print(render_liger_settings(distill if "--distill" in sys.argv else ("dpo", "kto")), end="")
     elif sys.argv[1:2] == ["ci-versions"]:
         print(*ci_versions(full="--full" in sys.argv))
     else:

@@ -106,3 +106,14 @@ def test_memory_estimates_use_what_was_measured():
     est, how = bench_step.estimate_gib("off", cfg, size, two)  # the line through (128, 4) and (512, 5): 2048 -> 9
     assert how == "line through the peaks at L=128 and L=512" and est == pytest.approx(2 * 9)
     assert bench_step.estimate_gib("off", ("dpo", "fp32", 0.5, 128), size, two)[1].startswith("from sizes")
+
+
+def test_machine_line_says_whether_bf16_gemms_are_native():
+    """Every benchmark header names the CPU and whether its bf16 GEMMs are native: on an AVX2-only CPU torch emulates
+    them and a bf16 row's ratio to the GEMM floor says nothing about the loss (benchmarks/_machine.py)."""
+    import _machine
+
+    assert _machine.bf16_gemm({"avx2", "avx512_bf16", "amx_bf16"}) == "AMX"
+    assert _machine.bf16_gemm({"avx512f", "avx512_bf16"}) == "AVX-512 BF16"
+    assert _machine.bf16_gemm({"avx2", "fma"}) == "emulated"
+    assert "bf16 GEMM" in _machine.describe()

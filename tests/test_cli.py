@@ -25,7 +25,8 @@ def test_status_json_resolves_pending_and_reports_every_patch():
     rows = {row["name"]: row for row in json.loads(proc.stdout)}
     assert set(rows) == {"dpo_compute_loss", "kto_compute_loss", "dpo_chunked_loss", "kto_chunked_loss",
                          "dpo_liger_settings", "kto_liger_settings", "gkd_compute_loss", "gold_compute_loss",
-                         "distillation_compute_loss", "gkd_liger_settings", "distillation_liger_settings"}  # fmt: skip
+                         "distillation_compute_loss", "gkd_liger_settings", "distillation_liger_settings",
+                         "iw_opd_compute_loss", "iw_opd_liger_settings"}  # fmt: skip
     import trl
 
     for name, row in rows.items():

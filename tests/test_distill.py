@@ -33,12 +33,14 @@ FULL = os.environ.get("LIGER_DDP_PATCH_FULL_MATRIX") == "1"
 BOUND = 1e-4  # of each tensor's scale (fp32)
 PARAMS, LORA, TIED = 25, 8, 24  # every trainable tensor of the student (untied head); LoRA A/B on q/v; tied head
 REJECTED = "Expected to mark a variable ready only once"
+JSD_LOSSES = ("LigerFusedLinearJSDLoss", "FusedLinearJSDLoss")  # Liger's; TRL 1.13's vendored copy
 
 # Per release: the configs one pair of launches runs (demo/probe.py CONFIGS; a trainer's name is its plain setup).
 RELEASES: dict[str, tuple[str, ...]] = {
     "1.0.0": ("gkd", "gold", "gkd-temp"),
     "1.5.1": ("gkd", "distillation", "distillation-onpolicy", "distillation-lora", "distillation-top1"),
     "1.6.0": ("gkd-find-unused", "distillation-find-unused", "gkd-find-unused-tied", "gkd"),
+    "1.12.0": ("iw_opd-find-unused", "iw_opd", "iw_opd-top1"),  # IW-OPD: 1.9.0-1.13.0 only
 }  # fmt: skip
 FULL_RELEASES: dict[str, tuple[str, ...]] = {
     "1.0.0-full": ("gkd-onpolicy", "gold-onpolicy", "gkd-lora", "gold-lora"),
@@ -46,19 +48,21 @@ FULL_RELEASES: dict[str, tuple[str, ...]] = {
     "1.5.1-full": ("gold", "gkd-onpolicy", "gold-lora", "gold-onpolicy"),
     "1.6.0-full": ("gold-find-unused", "gkd-find-unused-lora"),
     "1.9.2": ("gold-find-unused", "distillation-find-unused", "gkd-find-unused-tied"),
-    "1.13.0": ("gkd-find-unused", "gold-find-unused", "gkd"),
+    "1.13.0": ("gkd-find-unused", "gold-find-unused", "gkd", "iw_opd-find-unused"),
 }
 
 
 def differs_from_off(version: str, config: str) -> bool:
     """TRL's Liger loss differs from its non-Liger loss by design (a liger_settings fact): the comparison must fail.
-    GKD 1.0-1.3: Liger's default weight_hard_loss=0.5; Distillation 1.1-1.8: loss_top_k=1 ignored by the Liger path."""
+    GKD 1.0-1.3: Liger's default weight_hard_loss=0.5; Distillation 1.1-1.8 and IW-OPD 1.9-1.13: loss_top_k=1
+    ignored by the Liger path."""
     from liger_ddp_patch.patches import liger_settings as ls
 
     kind = config.split("-")[0]
     if kind == "gkd":
         return ls.dropped_in(ls.facts("gkd")[0], version, None)
-    return config == "distillation-top1" and ls.dropped_in(ls.facts("distillation")[0], version, None)
+    top_k = [f for f in ls.facts(kind) if f.setting == "loss_top_k"]
+    return config.endswith("-top1") and bool(top_k) and ls.dropped_in(top_k[0], version, None)
 
 
 def release(key: str) -> str:
@@ -155,7 +159,7 @@ def test_control_shows_the_bug_and_the_patch_syncs_every_parameter(launches, ver
     assert (
         "GradientDesyncError" not in patched["log"] and "GradientSyncVerifier" in result(patched, config)["callbacks"]
     )
-    assert result(patched, config)["loss_class"] == "LigerFusedLinearJSDLoss"  # TRL's own loss object, kept
+    assert result(patched, config)["loss_class"] in JSD_LOSSES  # TRL's own loss object, kept
     control = result(unpatched, config)
     if not routed(version, config):  # left to TRL: it runs and stays in sync unpatched too
         assert "error" not in control and (control["params"], control["differing"]) == (count, 0), control
@@ -276,8 +280,9 @@ def test_verifier_catches_an_unpatched_gkd_run(tiny_small):
 
 
 def test_liger_path_facts(launches):
-    """Each GKD/Distillation row of liger_settings.FACTS, by a run: TRL's Liger loss ignores (or applies) the setting
-    while its non-Liger loss does the opposite, and rank 0 says so once; 1.5.1's GKD says nothing (TRL 1.4 fixed it)."""
+    """Each GKD/Distillation/IW-OPD row of liger_settings.FACTS, by a run: TRL's Liger loss ignores (or applies) the
+    setting while its non-Liger loss does the opposite, and rank 0 says so once; 1.5.1's GKD says nothing (TRL 1.4
+    fixed it)."""
     folder, patched, _ = launches("1.0.0")
     # the loss: Liger's hard cross-entropy term (test_synchronised_gradients_are_trls_liger_loss[1.0.0-gkd]: differs
     # from Liger-off; [1.5.1-gkd]: equal)
@@ -298,6 +303,13 @@ def test_liger_path_facts(launches):
     assert "DistillationTrainer (TRL 1.5.1, use_liger_kernel=True) ignores loss_top_k=1: " in patched["log"]
     assert patched["log"].count("ignores loss_top_k=1") == 1  # rank 0, once per process
     assert "GKDTrainer (TRL" not in patched["log"]
+
+    folder, patched, _ = launches("1.12.0")  # IW-OPD: Distillation's pre-1.9 code, frozen, the same fact
+    top1, full = grads(folder, "p.iw_opd-top1"), grads(folder, "p.iw_opd")
+    assert all(top1[k].equal(full[k]) for k in top1)
+    assert relative(grads(folder, "p.iw_opd-top1.off"), grads(folder, "p.iw_opd.off")) > BOUND
+    assert "IWOPDTrainer (TRL 1.12.0, use_liger_kernel=True) ignores loss_top_k=1: " in patched["log"]
+    assert patched["log"].count("ignores loss_top_k=1") == 1
 
 
 @pytest.mark.deepspeed

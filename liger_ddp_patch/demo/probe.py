@@ -72,13 +72,17 @@ CONFIGS: dict[str, dict] = {
     # batch is generated on-policy by the student under DDP first.
     **{f"{kind}-onpolicy": {"trainer": kind, "lmbda": 1.0} for kind in ("gkd", "gold", "distillation")},
     **{f"{kind}-lora": {"trainer": kind, "lora": True} for kind in ("gkd", "gold", "distillation")},
-    **{f"{kind}-find-unused": {"trainer": kind, "find_unused": True} for kind in ("gkd", "gold", "distillation")},
+    **{
+        f"{kind}-find-unused": {"trainer": kind, "find_unused": True}
+        for kind in ("gkd", "gold", "distillation", "iw_opd")
+    },
     # find_unused_parameters=True with a head TRL 1.6-1.13 may keep outside DDP's forward: tied, or frozen (LoRA)
     "gkd-find-unused-tied": {"trainer": "gkd", "find_unused": True, "tied": True},
     "gkd-find-unused-lora": {"trainer": "gkd", "find_unused": True, "lora": True},
     # Distillation's default loss_top_k=1 (the non-Liger loss on the top-1 token plus a tail bucket), which its Liger
     # path ignores (full-vocabulary JSD); the other configs use loss_top_k=0 (full vocabulary) on both paths.
     "distillation-top1": {"trainer": "distillation", "loss_top_k": 1},
+    "iw_opd-top1": {"trainer": "iw_opd", "loss_top_k": 1},  # IW-OPD (1.9-1.13): Distillation's frozen code, the same
     "gkd-temp": {"trainer": "gkd", "temperature": 0.9},  # GKDConfig's default temperature (the others use 1.0)
     # on the model of --real-assets (Qwen's 151,936-token vocabulary) in a launch whose other configs use --assets
     **{f"{kind}-real-vocab": {"trainer": kind, "real_vocab": True} for kind in ("gkd", "distillation")},
@@ -230,9 +234,11 @@ def _optional(args) -> dict:
     if trainer_specs()[args.trainer].dataset == "messages":
         # temperature 1 unless a config sets it (TRL 1.13's Liger path applies none); short generations (a
         # completion shorter than max_length: GOLD 1.6 requires it); GOLD without its ULD loss; the full vocabulary
-        # for Distillation's loss. Each config takes the fields it has.
+        # for Distillation's loss; IW-OPD's generalized JSD (its own objective refuses Liger). Each config takes the
+        # fields it has.
         extra.update(lmbda=args.lmbda, beta=0.5, temperature=args.temperature, max_new_tokens=4,
-                     max_completion_length=8, use_uld_loss=False, loss_top_k=args.loss_top_k)  # fmt: skip
+                     max_completion_length=8, use_uld_loss=False, loss_top_k=args.loss_top_k,
+                     distillation_objective="jsd")  # fmt: skip
         # no clipping: each unsynchronised rank would clip by its own norm, and the mean of the ranks' gradients
         # (what the all-reduce makes of them, kept by --grads-out) would no longer be comparable
         extra["max_grad_norm"] = 0.0

@@ -22,7 +22,7 @@ def _trl(spec: TrainerSpec) -> dict:
 def records(spec: TrainerSpec) -> tuple[Patch, ...]:
     """The spec's records: its compute_loss always; the loss swap when it has one (DPO/KTO); the settings warning when
     some release of its Liger path drops or changes a setting (:mod:`.liger_settings`)."""
-    label, ours = spec.name.upper(), spec.loss.partition(":")[2]
+    label, ours = spec.name.upper().replace("_", "-"), spec.loss.partition(":")[2]
     found = (
         Patch(
             name=spec.compute_loss_patch,

@@ -9,7 +9,8 @@ weights rejected, KTO reference kept under PEFT), tracking issue #7063; TRL 1.14
 log-probs itself and runs its own loss code, so it drops nothing.
 
 Every row was read from the released wheels (TRL 1.0.0-1.16.0; liger-kernel 0.7.0, 0.8.0-0.8.2, 0.8.5) and is proven
-by a one-process run per release in ``tests/test_liger_settings.py``. Nothing here imports torch, TRL or packaging.
+by a one-process run per release in ``tests/test_liger_settings.py`` (the JSD trainers' rows by 2-rank runs in
+``tests/test_distill.py``). Nothing here imports torch or TRL; packaging only when a fact is matched.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class Call(NamedTuple):
 class Dropped(NamedTuple):
     """One setting the Liger path of ``trainer`` drops in ``releases`` (with ``liger`` installed, where it matters)."""
 
-    trainer: str  # a TrainerSpec name: "dpo" | "kto" | "gkd" | "distillation"
+    trainer: str  # a TrainerSpec name: "dpo" | "kto" | "gkd" | "distillation" | "iw_opd"
     setting: str  # the config field (or what the user did), as the docs show it
     read: Callable[[Call], str | None]  # "setting=value" when the user's value is one the non-Liger path acts on
     default: str  # the value that drops nothing
@@ -168,7 +169,7 @@ def _always(what: str) -> Callable[[Call], str | None]:
     return lambda call: what
 
 
-# GKD and Distillation (trl.experimental): their Liger JSD loss against their non-Liger generalized JSD loss.
+# GKD, Distillation and IW-OPD (trl.experimental): their Liger JSD loss against their non-Liger generalized JSD loss.
 # Proven by the 2-rank runs of tests/test_distill.py (test_liger_path_facts).
 FACTS += (
     Dropped(
@@ -195,6 +196,14 @@ FACTS += (
         later="TRL 1.9 removed the setting",
         remedy="Set loss_top_k=0 (the full vocabulary, as the Liger loss), or use_liger_kernel=False.",
         upstream="TRL 1.9.0",
+    ),
+    Dropped(  # IW-OPD is Distillation's pre-1.9 code, frozen (its default loss_top_k is still 1)
+        "iw_opd", "loss_top_k", config("loss_top_k", 0), "1", releases=">=1.9.0,<1.14.0", liger="",
+        lost="the Liger JSD loss runs over the full vocabulary",
+        applied="the non-Liger loss restricts both distributions to the top-k tokens (plus a tail bucket)",
+        later="TRL 1.14 removed IW-OPD's Liger path",
+        remedy="Set loss_top_k=0 (the full vocabulary, as the Liger loss), or use_liger_kernel=False.",
+        upstream="TRL 1.14.0",
     ),
 )  # fmt: skip
 

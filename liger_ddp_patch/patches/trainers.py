@@ -162,4 +162,22 @@ DISTILLATION = TrainerSpec(
     upstream="TRL #5282",
 )
 
-SPECS: tuple[TrainerSpec, ...] = (DPO, KTO, GKD, GOLD, DISTILLATION)
+# 1.9.0 froze the pre-refactor DistillationTrainer as IWOPDTrainer (trl.experimental.iw_opd): the same Liger path as
+# Distillation 1.6-1.9 ("head_outside"), on after distillation_objective="jsd" (IW-OPD itself refuses Liger).
+# 1.14.0 removed its Liger path.
+IW_OPD = TrainerSpec(
+    name="iw_opd",
+    trainer="IWOPDTrainer",
+    config="IWOPDConfig",
+    dataset="messages",
+    modules=(("1.9.0", "trl.experimental.iw_opd.iw_opd_trainer"),),
+    shapes=(("1.9.0", "head_outside"), ("1.14.0", "fixed")),
+    affected=">=1.9.0,<1.14.0",
+    fixed_in="1.14.0",
+    liger_flags=("use_liger_loss",),
+    fused=_JSD,
+    loss_attributes=("liger_loss",),
+    upstream="TRL #5282",
+)
+
+SPECS: tuple[TrainerSpec, ...] = (DPO, KTO, GKD, GOLD, DISTILLATION, IW_OPD)
