@@ -263,10 +263,17 @@ def estimate_gib(arm: str, cfg: tuple, size: dict, measured: dict) -> tuple[floa
     return 2 * _sizes_per_rank(arm, dtype, L, size) / GIB, "from sizes (0.6 GiB + 5 x parameters + logits)"
 
 
-def _available_gib() -> float:
+def _available_gib(need: float = 0.0, wait_s: float = 60.0) -> float:
+    """Memory available now, in GiB; waits up to ``wait_s`` for ``need`` GiB (a launch just killed by the memory guard
+    takes some seconds to hand its memory back)."""
     import psutil
 
-    return psutil.virtual_memory().available / GIB
+    deadline = time.monotonic() + wait_s
+    while True:
+        free = psutil.virtual_memory().available / GIB
+        if free >= need or time.monotonic() > deadline:
+            return free
+        time.sleep(2)
 
 
 def _tree_rss(pid: int) -> int:
@@ -517,7 +524,7 @@ def main(argv=None) -> int:
             k = (rnd + i) % len(arms)
             for arm in arms[k:] + arms[:k]:  # the order rotates: no arm always runs first or last
                 est, how = estimate_gib(arm, cfg, size, measured)
-                free = _available_gib()
+                free = _available_gib(est + 2 if est <= args.mem_limit_gib else 0.0) if args.device == "cpu" else 0.0
                 res = dict(arm=arm, trainer=cfg[0], dtype=cfg[1], prompt=cfg[2], L=cfg[3], estimate_gib=est)
                 if args.device == "cpu" and est > args.mem_limit_gib:
                     res["error"] = (f"not run here: memory (estimated {est:.1f} GiB for 2 ranks > "

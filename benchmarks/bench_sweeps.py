@@ -1,0 +1,170 @@
+#!/usr/bin/env python
+"""What the bf16 head loss spends beside its GEMMs, per ``(chunk, V)`` block, and what the alternatives would (CPU).
+
+    python benchmarks/bench_sweeps.py                      # V=32,000 (bench_losses' head) and 151,936, 5 rounds
+    python benchmarks/bench_sweeps.py --vocab 32000 --rounds 9 --compile
+
+Issue #22 asks for the bf16 head loss at <= 1.2x the GEMM floor.  What stands between the two is the elementwise
+work on each chunk's logits block (``bench_losses.py``/``profile_losses.py`` time whole steps); this script times
+that work alone, next to the GEMM that makes the block, so that a candidate is judged before it is built.  One block
+is the package's default bf16 chunk on CPU (``budget / (6 V)`` rows: 699 at V=32,000, 147 at V=151,936), H=896.
+
+Arms, interleaved (every round runs each once, in turn; the table gives medians over rounds):
+
+  gemm_bf16  the block's GEMM in bf16 (what the floor pays per block, three times per policy token)
+  gemm_fp32  the same GEMM in fp32
+  now        the package's own sweep: ``LogitsBuffers`` (bf16 block -> fp32), ``_onepass._softmax_minus_onehot_``
+             (fused log-softmax, exp, the target entry), the row factor, the cast back to bf16
+  tiled      the same ops on row tiles of ``--tile-bytes`` (each tile stays in cache between its ops)
+  one_exp    tiled, and one exponential per logit instead of two (max, exp, sum: the softmax scaled, not recomputed)
+  compiled   (``--compile``) the whole sweep as one ``torch.compile(dynamic=True)`` function (inductor); its first call
+             (the compilation) is reported apart
+
+Every variant's bf16 output is checked against ``now`` (max abs difference, printed).  The printed header names the
+CPU and whether its bf16 GEMMs are native (``_machine.py``): where they are emulated, the GEMM rows dwarf the sweeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+import torch  # noqa: E402
+
+H = 896
+
+
+def _block(V: int, seed: int = 0):
+    from liger_ddp_patch.losses import _kernels
+
+    rows = _kernels.resolve_token_chunk_size(None, V, "cpu", torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, H, generator=g).to(torch.bfloat16)
+    w = (torch.randn(V, H, generator=g) * 0.05).to(torch.bfloat16)
+    labels = torch.randint(0, V, (rows, 1), generator=g)
+    mult = -torch.rand(rows, generator=g)
+    return h, w, labels, mult
+
+
+def arms(V: int, tile_bytes: int, compile_: bool):
+    """``{name: step}`` over one shared block; each step returns the bf16 gradient block it made."""
+    from liger_ddp_patch.losses import _kernels, _onepass
+
+    h, w, labels, mult = _block(V)
+    rows = h.shape[0]
+    plan = _kernels.Plan(rows, torch.bfloat16, torch.float32, _kernels.logits_budget_bytes("cpu"), False)
+    bufs = _kernels.LogitsBuffers(rows, V, plan, torch.device("cpu"))
+    half = torch.mm(h, w.t())  # the GEMM's bf16 block, made once (the sweeps must not pay for it)
+    out = torch.empty_like(half)
+    full = torch.empty(rows, V)
+    tile = max(1, tile_bytes // (4 * V))
+    hf, wf = h.float(), w.float()
+
+    def now():
+        gl = bufs._block(bufs.full, rows, V).copy_(half)  # LogitsBuffers.logits, less its GEMM
+        _onepass._softmax_minus_onehot_(gl, labels)
+        gl.mul_(mult.unsqueeze(1))
+        return out.copy_(gl)
+
+    def tiled():
+        for s in range(0, rows, tile):
+            e = min(rows, s + tile)
+            x = full[s:e].copy_(half[s:e])
+            _onepass._softmax_minus_onehot_(x, labels[s:e])
+            x.mul_(mult[s:e].unsqueeze(1))
+            out[s:e].copy_(x)
+        return out
+
+    def one_exp():
+        for s in range(0, rows, tile):
+            e = min(rows, s + tile)
+            x, lab = full[s:e].copy_(half[s:e]), labels[s:e]
+            tgt = x.gather(1, lab).squeeze(1)
+            m = x.amax(dim=1, keepdim=True)
+            x.sub_(m).exp_()
+            sumexp = x.sum(dim=1)
+            logp = tgt - m.squeeze(1) - sumexp.log()
+            x.scatter_(1, lab, (torch.expm1(logp) * sumexp).unsqueeze(1))
+            x.mul_((mult[s:e] / sumexp).unsqueeze(1))
+            out[s:e].copy_(x)
+        return out
+
+    found = {
+        "gemm_bf16": lambda: torch.mm(h, w.t(), out=half),
+        "gemm_fp32": lambda: torch.mm(hf, wf.t(), out=full),
+        "now": now,
+        "tiled": tiled,
+        "one_exp": one_exp,
+    }
+    first = None
+    if compile_:
+
+        def sweep(x, lab, mult):
+            xf = x.float()
+            m = xf.amax(1, keepdim=True)
+            e = torch.exp(xf - m)
+            s = e.sum(1, keepdim=True)
+            hit = torch.arange(x.shape[1], device=x.device).unsqueeze(0) == lab
+            logp = torch.where(hit, xf, 0.0).sum(1, keepdim=True) - m - torch.log(s)
+            g = torch.where(hit, torch.expm1(logp), e / s) * mult.unsqueeze(1)
+            return g.to(x.dtype)
+
+        compiled = torch.compile(sweep, dynamic=True)
+        started = time.perf_counter()
+        compiled(half, labels, mult)
+        first = time.perf_counter() - started
+        found["compiled"] = lambda: compiled(half, labels, mult)
+    # the block every sweep starts from must be the GEMM's: gemm_bf16 rewrites `half` with the same values
+    return found, rows, tile, first
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab", default="32000,151936")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tile-bytes", type=int, default=4 << 20, help="bytes of fp32 logits per tile (default 4 MiB)")
+    ap.add_argument(
+        "--compile", action="store_true", help="also the torch.compile'd sweep (inductor; needs a C++ compiler)"
+    )
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import _machine
+
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {_machine.describe()}  torch {torch.__version__}  "
+          f"threads {torch.get_num_threads()}  H={H}  rounds={args.rounds}")  # fmt: skip
+    for V in (int(v) for v in args.vocab.split(",")):
+        found, rows, tile, first = arms(V, args.tile_bytes, args.compile)
+        reference = found["now"]().float().clone()
+        errors = {  # every arm writes the same output tensor: compare each as it comes
+            name: (f().float() - reference).abs().max().item()
+            for name, f in found.items()
+            if not name.startswith("gemm")
+        }
+        for f in found.values():  # warm-up
+            f()
+        times: dict[str, list[float]] = {name: [] for name in found}
+        for _ in range(args.rounds):
+            for name, f in found.items():
+                started = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - started)
+        med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        print(f"\nV={V:,}: one block of {rows} x {V:,} logits (tiles of {tile} rows)")
+        print("| arm | ms per block | / now | / gemm_bf16 | max abs diff vs now |\n|---|---|---|---|---|")
+        for name, ms in med.items():
+            err = f"{errors[name]:.1e}" if name in errors else "-"
+            print(f"| {name} | {ms:.1f} | {ms / med['now']:.2f} | {ms / med['gemm_bf16']:.3f} | {err} |")
+        if first is not None:
+            print(f"(compiled: first call, the compilation included, {first:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
