@@ -364,7 +364,7 @@ def _span(specifier: str, among: tuple[str, ...] = tv.RELEASES) -> str:
 
 def render_liger_settings(trainers: tuple[str, ...] = ("dpo", "kto")) -> str:
     """The README table, one row per fact (``liger_ddp_patch.patches.liger_settings.FACTS``) of ``trainers``, between
-    markers (``liger-settings --distill``: GKD's and Distillation's rows, also in docs/versions.md)."""
+    markers (``liger-settings --distill``: the distillation trainers' rows, also in docs/versions.md)."""
     names = {spec.name: spec.trainer for spec in SPECS}
     rows = [
         SETTINGS_BEGIN,
@@ -393,7 +393,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["versions"]:
         print(render_versions(), end="")
     elif sys.argv[1:2] == ["liger-settings"]:
-        distill = ("gkd", "distillation", "iw_opd")
+        distill = tuple(s.name for s in DISTILL_SPECS)
         print(render_liger_settings(distill if "--distill" in sys.argv else ("dpo", "kto")), end="")
     elif sys.argv[1:2] == ["ci-versions"]:
         print(*ci_versions(full="--full" in sys.argv))

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from liger_ddp_patch.demo import run_probe
+from liger_ddp_patch.patches.trainers import SPECS
 
 pytestmark = pytest.mark.ddp
 
@@ -33,7 +34,6 @@ FULL = os.environ.get("LIGER_DDP_PATCH_FULL_MATRIX") == "1"
 BOUND = 1e-4  # of each tensor's scale (fp32)
 PARAMS, LORA, TIED = 25, 8, 24  # every trainable tensor of the student (untied head); LoRA A/B on q/v; tied head
 REJECTED = "Expected to mark a variable ready only once"
-JSD_LOSSES = ("LigerFusedLinearJSDLoss", "FusedLinearJSDLoss")  # Liger's; TRL 1.13's vendored copy
 
 # Per release: the configs one pair of launches runs (demo/probe.py CONFIGS; a trainer's name is its plain setup).
 RELEASES: dict[str, tuple[str, ...]] = {
@@ -159,7 +159,8 @@ def test_control_shows_the_bug_and_the_patch_syncs_every_parameter(launches, ver
     assert (
         "GradientDesyncError" not in patched["log"] and "GradientSyncVerifier" in result(patched, config)["callbacks"]
     )
-    assert result(patched, config)["loss_class"] in JSD_LOSSES  # TRL's own loss object, kept
+    spec = {s.name: s for s in SPECS}[config.split("-")[0]]
+    assert result(patched, config)["loss_class"] in spec.fused  # TRL's own loss object, kept
     control = result(unpatched, config)
     if not routed(version, config):  # left to TRL: it runs and stays in sync unpatched too
         assert "error" not in control and (control["params"], control["differing"]) == (count, 0), control

@@ -170,6 +170,15 @@ def _always(what: str) -> Callable[[Call], str | None]:
 
 
 # GKD, Distillation and IW-OPD (trl.experimental): their Liger JSD loss against their non-Liger generalized JSD loss.
+_TOP_K = dict(  # Distillation's loss_top_k (default 1), which its Liger path ignores
+    setting="loss_top_k",
+    read=config("loss_top_k", 0),
+    default="1",
+    liger="",
+    lost="the Liger JSD loss runs over the full vocabulary",
+    applied="the non-Liger loss restricts both distributions to the top-k tokens (plus a tail bucket)",
+    remedy="Set loss_top_k=0 (the full vocabulary, as the Liger loss), or use_liger_kernel=False.",
+)
 # Proven by the 2-rank runs of tests/test_distill.py (test_liger_path_facts).
 FACTS += (
     Dropped(
@@ -189,22 +198,11 @@ FACTS += (
         remedy="Upgrade to TRL 1.4, set temperature=1.0, or set use_liger_kernel=False, for the same loss both "
         "ways.", upstream="TRL 1.4.0",
     ),
-    Dropped(
-        "distillation", "loss_top_k", config("loss_top_k", 0), "1", releases=">=1.1.0,<1.9.0", liger="",
-        lost="the Liger JSD loss runs over the full vocabulary",
-        applied="the non-Liger loss restricts both distributions to the top-k tokens (plus a tail bucket)",
-        later="TRL 1.9 removed the setting",
-        remedy="Set loss_top_k=0 (the full vocabulary, as the Liger loss), or use_liger_kernel=False.",
-        upstream="TRL 1.9.0",
-    ),
-    Dropped(  # IW-OPD is Distillation's pre-1.9 code, frozen (its default loss_top_k is still 1)
-        "iw_opd", "loss_top_k", config("loss_top_k", 0), "1", releases=">=1.9.0,<1.14.0", liger="",
-        lost="the Liger JSD loss runs over the full vocabulary",
-        applied="the non-Liger loss restricts both distributions to the top-k tokens (plus a tail bucket)",
-        later="TRL 1.14 removed IW-OPD's Liger path",
-        remedy="Set loss_top_k=0 (the full vocabulary, as the Liger loss), or use_liger_kernel=False.",
-        upstream="TRL 1.14.0",
-    ),
+    Dropped("distillation", releases=">=1.1.0,<1.9.0", later="TRL 1.9 removed the setting", upstream="TRL 1.9.0",
+            **_TOP_K),
+    # IW-OPD is Distillation's pre-1.9 code, frozen (its default loss_top_k is still 1)
+    Dropped("iw_opd", releases=">=1.9.0,<1.14.0", later="TRL 1.14 removed IW-OPD's Liger path", upstream="TRL 1.14.0",
+            **_TOP_K),
 )  # fmt: skip
 
 
