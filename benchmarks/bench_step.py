@@ -94,6 +94,35 @@ def _rows(kind: str, L: int, prompt: float, n: int, rank: int) -> list[dict]:
     return rows
 
 
+def _start_profile(cuda: bool):
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    prof.__enter__()
+    return prof
+
+
+def _write_profile(prof, wall_s: float, prefix: str, top: int = 25) -> None:
+    """One profiled step, summarised (``<prefix>.rank<r>.json``): the ops by self CPU and by self device time."""
+    prof.__exit__(None, None, None)
+    events = prof.key_averages()
+
+    def device(e):
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
+
+    kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]  # the GPU's own events
+
+    def ranked(rows, key):
+        rows = sorted(rows, key=key, reverse=True)[:top]
+        return [dict(op=e.key[:120], n=e.count, cpu_ms=e.self_cpu_time_total / 1e3, dev_ms=device(e) / 1e3)
+                for e in rows]  # fmt: skip
+
+    out = dict(wall_s=wall_s, cpu_ms=sum(e.self_cpu_time_total for e in events) / 1e3,
+               dev_ms=sum(device(e) for e in kernels) / 1e3, by_cpu=ranked(events, lambda e: e.self_cpu_time_total),
+               by_dev=ranked(kernels, device))  # fmt: skip
+    Path(f"{prefix}.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(out))
+
+
 def worker(args) -> None:
     """One configuration under one arm, inside torchrun; rank 0 writes the JSON result to ``--out``."""
     if args.arm == "patched":
@@ -124,6 +153,8 @@ def worker(args) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         batch = 1 if args.trainer == "dpo" else 2  # DPO: one pair (2 sequences); KTO: 2 rows (its KL needs > 1)
         steps = args.warmup + args.steps
+        profile_to = os.environ.get("BENCH_STEP_PROFILE")  # gpu_profile.py: one more step, profiled, not timed
+        steps += bool(profile_to)
         dataset = Dataset.from_list(_rows(args.trainer, args.length, args.prompt, batch * steps * world, rank))
         cfg = config_cls(
             output_dir=tempfile.mkdtemp(prefix=f"bench-step-{args.trainer}-"),
@@ -160,14 +191,22 @@ def worker(args) -> None:
 
             def on_step_begin(self, *_a, **_k):
                 sync()
+                if profile_to and len(times) == args.warmup + args.steps:
+                    state["prof"] = _start_profile(cuda)
                 state["t0"], state["c0"] = time.perf_counter(), time.process_time()
 
             def on_step_end(self, *_a, **_k):
                 sync()
+                if "prof" in state:
+                    _write_profile(state.pop("prof"), time.perf_counter() - state["t0"], profile_to)
+                    return
                 times.append(time.perf_counter() - state["t0"])
                 cpu.append(time.process_time() - state["c0"])
 
-        trainer = trainer_cls(model=model, args=cfg, train_dataset=dataset, processing_class=tokenizer)
+        extra = {}
+        if args.ref_same_dtype:  # else TRL loads the reference model itself, in fp32 (its model_init_kwargs default)
+            extra["ref_model"] = AutoModelForCausalLM.from_pretrained(args.assets, dtype=dtype)
+        trainer = trainer_cls(model=model, args=cfg, train_dataset=dataset, processing_class=tokenizer, **extra)
         trainer.add_callback(StepTimer())
         trainer.train()
         peak = torch.cuda.max_memory_allocated() if cuda else _rss("VmHWM")
@@ -319,7 +358,8 @@ def launch(arm: str, cfg: tuple, args, assets: Path, out_dir: Path, paths: dict 
         env["LIGER_DDP_PATCH_DISABLE"] = "1"  # whatever a .pth or sitecustomize might bring
     worker_cmd = [str(Path(__file__).resolve()), "--worker", "--arm", arm, "--trainer", trainer, "--dtype", dtype,
                   "--prompt", str(prompt), "--length", str(L), "--assets", str(assets), "--out", str(out),
-                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]  # fmt: skip
+                  "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+                  *(["--ref-same-dtype"] if getattr(args, "ref_same_dtype", False) else [])]  # fmt: skip
     run = [sys.executable, "-m", "torch.distributed.run"]
     if getattr(args, "nodes", 1) == 2:
         import socket
@@ -466,6 +506,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--trl112-from-cache", action="store_true", help="TRL 1.12.0 from .cache/trl, not the installed")
     # the worker's own options
+    ap.add_argument("--ref-same-dtype", action="store_true",
+                    help="pass a reference model in the policy's dtype (default: TRL loads it, in fp32)")  # fmt: skip
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--trainer", help=argparse.SUPPRESS)

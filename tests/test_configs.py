@@ -238,3 +238,16 @@ def test_table(launches, capsys):
     with capsys.disabled():
         print("\n" + "\n".join(rows))
     assert not loose, loose
+
+
+def test_rank_0_names_the_fp32_reference_that_trls_liger_path_runs_outside_autocast(launches):
+    """dpo-bf16 / kto-bf16: bf16 weights and bf16=True, no ref_model: TRL builds the reference model itself, in fp32
+    (its model_init_kwargs default), and its Liger path runs it outside autocast: fp32 GEMMs (2x a KTO step on an
+    H200, patches/pitfalls.py).  One rank-0 warning per process, the note in the report; none without the package."""
+    _, patched, unpatched = launches
+    warning = "runs in bf16 mixed precision, but its reference model is float32"
+    assert patched["log"].count(warning) == 1, patched["log"][-3000:]
+    for spec, trainer in (("dpo_compute_loss", "DPOTrainer"), ("kto_compute_loss", "KTOTrainer")):
+        (status,) = [s for s in patched["report"] if s["name"] == spec]
+        assert pitfalls.FP32_NOTE in status["runtime"][trainer], status
+    assert warning not in unpatched["log"]

@@ -174,3 +174,24 @@ def test_wheel_list_is_what_gpu_wheels_sh_downloads():
     assert specs == [f"{d}=={v}" for d, v, _ in gpu_check.WHEELS]
     assert {"trl==1.14.0", "trl==1.12.0", "trl==1.8.0", "liger-kernel==0.8.5"} <= set(specs)
     assert "--print-wheels" in (ROOT / "benchmarks" / "gpu_wheels.sh").read_text()
+
+
+@pytest.mark.ddp
+def test_gpu_profile_cpu_smoke(tmp_path):
+    """benchmarks/gpu_profile.py's code paths on CPU: (a) every arm timed and one step of ours and of the floor
+    profiled per row; (c) one step launch whose extra step is profiled on both ranks (``BENCH_STEP_PROFILE``) and
+    left out of the timed steps."""
+    script = ROOT / "benchmarks" / "gpu_profile.py"
+    cmd = [sys.executable, str(script), "--cpu-smoke", "--out", str(tmp_path), "--reps", "1", "--trainers", "dpo",
+           "--arms", "patched", "--budget", "900", "--timeout-c", "600"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_profile.json").read_text())
+    assert {(r["kind"], r["prompt"]) for r in report["a"]} == {(k, p) for k in ("dpo", "kto") for p in (0.5, 0.0)}
+    for row in report["a"]:
+        assert all(row["ms"][arm] > 0 for arm in ("ours", "gemm", "mat")), row
+        assert row["profile_ours"]["gemm_ms"] > 0 and row["profile_ours"]["other_ms"] > 0, row["profile_ours"]
+    (step,) = report["c"]
+    assert step["error"] is None and set(step["profile"]) == {"0", "1"}, step
+    assert all(len(t) == 2 for t in step["times"]), step["times"]  # warm-up + 1 measured; the profiled one apart
+    assert any("OnePassLoss" in op["op"] for op in step["profile"]["0"]["by_cpu"]), step["profile"]["0"]["by_cpu"]

@@ -124,3 +124,71 @@ def test_other_ranks_stay_silent(process_group, records, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     run_twice(tiny(True, True), find_unused=True)
     assert not [r for r in records if r.levelno >= logging.WARNING]
+
+
+# ------------------------------------------------------------------ a float32 model under mixed precision
+
+
+class MixedTrainer(Trainer):
+    """A trainer in ``precision`` mixed precision with ``ref_model`` (TRL's attribute) and ``args``."""
+
+    def __init__(self, precision="bf16", ref_model=None, precompute=False):
+        self.ref_model = ref_model
+        self.args = type("Args", (), {"precompute_ref_log_probs": precompute})()
+        self.accelerator = type("Acc", (), {"mixed_precision": precision, "unwrap_model": staticmethod(lambda m: m)})()
+
+
+@pytest.mark.parametrize(
+    ("precision", "policy", "ref", "precompute", "named"),
+    [
+        ("bf16", torch.bfloat16, torch.float32, False, ["reference model"]),  # TRL's own reference: fp32
+        ("fp16", torch.float16, torch.float32, False, ["reference model"]),
+        ("bf16", torch.float32, torch.float32, False, ["policy", "reference model"]),
+        ("bf16", torch.bfloat16, torch.bfloat16, False, []),  # the fix the warning names
+        ("no", torch.float32, torch.float32, False, []),  # plain fp32 training: nothing bypassed
+        ("bf16", torch.bfloat16, torch.float32, True, []),  # precomputed reference log-probs: never run per step
+        ("bf16", torch.bfloat16, None, False, []),  # no reference model (LoRA: the adapter is switched off)
+    ],
+    ids=["bf16-fp32-ref", "fp16-fp32-ref", "fp32-both", "bf16-both", "no-mixed", "precomputed", "no-ref"],
+)
+def test_fp32_models_under_mixed_precision_are_named(precision, policy, ref, precompute, named):
+    trainer = MixedTrainer(precision, None if ref is None else tiny(False, None).to(ref), precompute)
+    assert pitfalls.fp32_models(trainer, tiny(False, None).to(policy)) == named
+
+
+def test_lora_adapters_in_fp32_do_not_make_a_bf16_model_fp32():
+    """PEFT upcasts LoRA adapters to fp32 by default: a few fp32 parameters on a bf16 base are a bf16 model."""
+    model = tiny(True, None)
+    for name, param in model.named_parameters():
+        param.data = param.data.to(torch.float32 if "lora_" in name else torch.bfloat16)
+    assert any(p.dtype == torch.float32 for p in model.parameters())
+    assert not pitfalls.mostly_fp32(model)
+    assert pitfalls.mostly_fp32(tiny(False, None))
+
+
+def test_a_routed_call_with_an_fp32_reference_warns_once_with_the_fix(process_group, records):
+    ddp = nn.parallel.DistributedDataParallel(tiny(False, None).to(torch.bfloat16))
+    engine = RecordingEngine()
+    replaced = compute_loss.replacer(DPO)(lambda self, model, inputs, *_: torch.zeros(()), engine)
+    trainer = MixedTrainer("bf16", tiny(False, None))
+    trainer.accelerator.unwrap_model = staticmethod(lambda m: getattr(m, "module", m))
+    for _ in range(2):
+        replaced(trainer, ddp, {}, False, None)
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    for words in ("MixedTrainer runs in bf16 mixed precision", "reference model is float32", "outside the autocast",
+                  "dtype=torch.bfloat16", "tf32=True"):  # fmt: skip
+        assert words in warnings[0], warnings[0]
+    assert ("dpo_compute_loss", "MixedTrainer", pitfalls.FP32_NOTE) in engine.notes, engine.notes
+
+
+def test_a_routed_call_with_a_bf16_reference_stays_silent(process_group, records):
+    """Control: the same call with the reference model in bf16."""
+    ddp = nn.parallel.DistributedDataParallel(tiny(False, None).to(torch.bfloat16))
+    engine = RecordingEngine()
+    replaced = compute_loss.replacer(DPO)(lambda self, model, inputs, *_: torch.zeros(()), engine)
+    trainer = MixedTrainer("bf16", tiny(False, None).to(torch.bfloat16))
+    trainer.accelerator.unwrap_model = staticmethod(lambda m: getattr(m, "module", m))
+    replaced(trainer, ddp, {}, False, None)
+    assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
+    assert all(pitfalls.FP32_NOTE not in n for n in engine.notes), engine.notes

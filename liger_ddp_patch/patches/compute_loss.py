@@ -238,9 +238,9 @@ def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
                 decision = f"{decision}, {chunked_loss.swap(self, engine.original(spec.chunked_loss_patch), spec)}"
             if model not in checked:
                 checked.add(model)
-                pitfall = pitfalls.warn(model, unwrapped)
-                if pitfall:
-                    engine.note(name, trainer, pitfall)
+                for pitfall in (pitfalls.warn(model, unwrapped), pitfalls.warn_fp32(self, unwrapped)):
+                    if pitfall:
+                        engine.note(name, trainer, pitfall)
             engine.note(name, trainer, decision)
             announce("liger_ddp_patch: %s under DistributedDataParallel: %s (%s)", trainer, decision, spec.upstream)
 
