@@ -302,7 +302,8 @@ def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
 
         torch.cuda.empty_cache()  # the parent's drawing buffers must not sit on the GPU the ranks measure
     opts = argparse.Namespace(threads=1 if args.cpu_smoke else 4, nproc=2, nodes=2, device=args.device,
-                              steps=args.reps_c, warmup=1, mem_kill_gib=float("inf"))  # fmt: skip
+                              steps=args.reps_c, warmup=1, mem_kill_gib=float("inf"),
+                              ref_same_dtype=args.ref_same_dtype)  # fmt: skip
     trl = {"1.12.0": paths["trl-1.12.0"], "1.14.0": paths["trl-1.14.0"], "common": paths["common"]}
     rows: list[dict] = []
     trainers = SMOKE_STEP_TRAINERS if args.cpu_smoke else STEP_TRAINERS
@@ -440,7 +441,8 @@ def render_c(info: dict, rows_c: list[dict]) -> list[str]:
         "",
         f"(c) one whole DDP training step, bf16, V={c.get('V', 0):,} H={c.get('H', 0):,} {c.get('layers')} layers, "
         f"L={c.get('L', 0):,}, {c.get('prompt', 0):.0%} prompt, 2 ranks ({info['ddp_device']}, gloo), per rank a DPO "
-        f"pair / 2 KTO rows; peak = {'max allocated' if info['device'] == 'cuda' else 'VmHWM'} per rank",
+        f"pair / 2 KTO rows; reference model {c.get('reference', '?')}; peak = "
+        f"{'max allocated' if info['device'] == 'cuda' else 'VmHWM'} per rank",
         f"{'trainer':7} {'arm':9} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9} {'patched/arm time':>17} "
         f"{'patched/arm mem':>16}  loss",
     ]
@@ -507,6 +509,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout-c", type=float, default=None, help="seconds per step launch (GPU 150, CPU 600)")
     ap.add_argument("--reps-c", type=int, default=2, help="(c): measured steps per launch, after one warm-up")
     ap.add_argument("--step-length", type=int, default=None, help="(c): sequence length (GPU 4096, CPU smoke 32)")
+    ap.add_argument("--ref-same-dtype", action="store_true",
+                    help="(c): pass a bf16 reference model (default: TRL builds it, in float32)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=None, help="timed steps per arm (default 5 on GPU, 2 on CPU)")
     ap.add_argument("--timeout-a", type=float, default=None, help="seconds for part (a) (GPU 240, CPU 900)")
     ap.add_argument("--timeout-b", type=float, default=None, help="seconds per DDP launch (GPU 240, CPU 900)")
@@ -549,6 +553,7 @@ def main(argv=None) -> int:
     info["seconds_a"] = round(time.monotonic() - started - info["seconds_b"], 1)
     step = dict(SMOKE_STEP if args.cpu_smoke else GPU_STEP, prompt=STEP_PROMPT)
     step["L"] = args.step_length or step["L"]
+    step["reference"] = "bf16, passed as ref_model" if args.ref_same_dtype else "TRL's own (float32)"
     info["step"] = step
     rows_c = run_part_c(args, paths, out, started + args.budget) if "c" in parts else []
     info["seconds"] = round(time.monotonic() - started, 1)

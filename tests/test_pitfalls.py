@@ -132,8 +132,8 @@ def test_other_ranks_stay_silent(process_group, records, monkeypatch):
 class MixedTrainer(Trainer):
     """A trainer in ``precision`` mixed precision with ``ref_model`` (TRL's attribute) and ``args``."""
 
-    def __init__(self, precision="bf16", ref_model=None, precompute=False):
-        self.ref_model = ref_model
+    def __init__(self, precision="bf16", ref_model=None, precompute=False, teacher_model=None):
+        self.ref_model, self.teacher_model = ref_model, teacher_model
         self.args = type("Args", (), {"precompute_ref_log_probs": precompute})()
         self.accelerator = type("Acc", (), {"mixed_precision": precision, "unwrap_model": staticmethod(lambda m: m)})()
 
@@ -143,7 +143,7 @@ class MixedTrainer(Trainer):
     [
         ("bf16", torch.bfloat16, torch.float32, False, ["reference model"]),  # TRL's own reference: fp32
         ("fp16", torch.float16, torch.float32, False, ["reference model"]),
-        ("bf16", torch.float32, torch.float32, False, ["policy", "reference model"]),
+        ("bf16", torch.float32, torch.float32, False, ["model", "reference model"]),
         ("bf16", torch.bfloat16, torch.bfloat16, False, []),  # the fix the warning names
         ("no", torch.float32, torch.float32, False, []),  # plain fp32 training: nothing bypassed
         ("bf16", torch.bfloat16, torch.float32, True, []),  # precomputed reference log-probs: never run per step
@@ -154,6 +154,13 @@ class MixedTrainer(Trainer):
 def test_fp32_models_under_mixed_precision_are_named(precision, policy, ref, precompute, named):
     trainer = MixedTrainer(precision, None if ref is None else tiny(False, None).to(ref), precompute)
     assert pitfalls.fp32_models(trainer, tiny(False, None).to(policy)) == named
+
+
+@pytest.mark.parametrize(("teacher", "named"), [(torch.float32, ["teacher model"]), (torch.bfloat16, [])])
+def test_a_distillation_trainers_fp32_teacher_is_named(teacher, named):
+    """GKD/GOLD/Distillation keep their teacher in ``teacher_model``; their Liger path calls its decoder directly."""
+    trainer = MixedTrainer("bf16", teacher_model=tiny(False, None).to(teacher))
+    assert pitfalls.fp32_models(trainer, tiny(False, None).to(torch.bfloat16)) == named
 
 
 def test_lora_adapters_in_fp32_do_not_make_a_bf16_model_fp32():

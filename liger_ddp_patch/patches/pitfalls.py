@@ -9,11 +9,12 @@ never enters ``DistributedDataParallel.forward``, so the same job "ran" without 
 through the wrapper, it reaches DDP's check.
 
 2. A float32 model under bf16/fp16 mixed precision. TRL's Liger path calls the decoders (``model.base_model``,
-``ref_model.base_model``) directly, never the forward that Accelerate wraps in autocast, with or without this package:
-a float32 model's GEMMs then run in float32. TRL loads a reference model it builds itself in float32 (its
-``model_init_kwargs`` dtype default), so a full fine-tune with a bf16 policy gets one. Measured on an H200
-(``benchmarks/gpu_profile.py``): a routed KTO step took 3.35 s with that float32 reference against 1.69 s with a bf16
-one (1.85 s with ``use_liger_kernel=False``), DPO 2.25 s against 1.52 s (2.01 s).
+``ref_model.base_model``; the distillation trainers' teacher's) directly, never the forward that Accelerate wraps in
+autocast, with or without this package: a float32 model's GEMMs then run in float32. TRL loads a reference model it
+builds itself in float32 (its ``model_init_kwargs`` dtype default), so a full fine-tune with a bf16 policy gets one.
+Measured on an H200 (``benchmarks/gpu_check.py``, ``gpu_profile.py``): a routed KTO step took 3.35 s with that
+float32 reference against 1.69 s with a bf16 one (1.85 s with ``use_liger_kernel=False``), DPO 2.25 s against 1.52 s
+(2.01 s).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ FP32_MESSAGE = (
     "directly, outside the autocast that Accelerate wraps around forward (with or without this package), so those "
     "GEMMs run in float32: on an H200 this made a KTO step 2x slower, and slower than use_liger_kernel=False. TRL "
     "loads a reference model it builds itself in float32. Fix: pass ref_model=AutoModelForCausalLM.from_pretrained"
-    "(..., dtype=torch.bfloat16) (and load the policy the same way), or set tf32=True."
+    "(..., dtype=torch.bfloat16) (load the model and a teacher the same way), or set tf32=True."
 )
 FP32_NOTE = "a float32 model under mixed precision runs float32 GEMMs in TRL's Liger path (warned)"
 
@@ -85,18 +86,25 @@ def mostly_fp32(model: Any) -> bool:
     return fp32 > sum(sizes.values())
 
 
+# The frozen models a trainer runs beside the one it trains, by attribute (DPO/KTO; GKD/GOLD/Distillation/IW-OPD).
+FROZEN = (("ref_model", "reference model"), ("teacher_model", "teacher model"))
+
+
 def fp32_models(trainer: Any, model: Any) -> list[str]:
-    """Which of the policy (``model``, unwrapped) and ``trainer.ref_model`` run float32 under mixed precision."""
+    """Which of ``model`` (unwrapped) and the trainer's frozen models run float32 under mixed precision."""
     accelerator = getattr(trainer, "accelerator", None)
     precision = str(getattr(accelerator, "mixed_precision", "no"))
     if precision not in ("bf16", "fp16"):
         return []
-    names = ["policy"] if mostly_fp32(model) else []
-    ref = getattr(trainer, "ref_model", None)
-    if ref is not None and not getattr(getattr(trainer, "args", None), "precompute_ref_log_probs", False):
-        unwrap = getattr(accelerator, "unwrap_model", None)
-        if mostly_fp32(unwrap(ref) if unwrap else ref):
-            names.append("reference model")
+    names = ["model"] if mostly_fp32(model) else []
+    precomputed = getattr(getattr(trainer, "args", None), "precompute_ref_log_probs", False)
+    unwrap = getattr(accelerator, "unwrap_model", None) or (lambda m: m)
+    for attribute, name in FROZEN:
+        frozen = getattr(trainer, attribute, None)
+        if frozen is None or (attribute == "ref_model" and precomputed):
+            continue  # precomputed reference log-probs: the reference never runs during a step
+        if callable(getattr(frozen, "parameters", None)) and mostly_fp32(unwrap(frozen)):
+            names.append(name)
     return names
 
 
