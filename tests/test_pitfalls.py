@@ -132,9 +132,9 @@ def test_other_ranks_stay_silent(process_group, records, monkeypatch):
 class MixedTrainer(Trainer):
     """A trainer in ``precision`` mixed precision with ``ref_model`` (TRL's attribute) and ``args``."""
 
-    def __init__(self, precision="bf16", ref_model=None, precompute=False, teacher_model=None):
+    def __init__(self, precision="bf16", ref_model=None, precompute=False, teacher_model=None, tf32=None):
         self.ref_model, self.teacher_model = ref_model, teacher_model
-        self.args = type("Args", (), {"precompute_ref_log_probs": precompute})()
+        self.args = type("Args", (), {"precompute_ref_log_probs": precompute, "tf32": tf32})()
         self.accelerator = type("Acc", (), {"mixed_precision": precision, "unwrap_model": staticmethod(lambda m: m)})()
 
 
@@ -160,6 +160,12 @@ def test_fp32_models_under_mixed_precision_are_named(precision, policy, ref, pre
 def test_a_distillation_trainers_fp32_teacher_is_named(teacher, named):
     """GKD/GOLD/Distillation keep their teacher in ``teacher_model``; their Liger path calls its decoder directly."""
     trainer = MixedTrainer("bf16", teacher_model=tiny(False, None).to(teacher))
+    assert pitfalls.fp32_models(trainer, tiny(False, None).to(torch.bfloat16)) == named
+
+
+@pytest.mark.parametrize(("tf32", "named"), [(None, ["reference model"]), (False, ["reference model"]), (True, [])])
+def test_tf32_the_other_fix_silences_it(tf32, named):
+    trainer = MixedTrainer("bf16", tiny(False, None), tf32=tf32)
     assert pitfalls.fp32_models(trainer, tiny(False, None).to(torch.bfloat16)) == named
 
 

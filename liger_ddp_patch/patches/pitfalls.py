@@ -94,10 +94,11 @@ def fp32_models(trainer: Any, model: Any) -> list[str]:
     """Which of ``model`` (unwrapped) and the trainer's frozen models run float32 under mixed precision."""
     accelerator = getattr(trainer, "accelerator", None)
     precision = str(getattr(accelerator, "mixed_precision", "no"))
-    if precision not in ("bf16", "fp16"):
-        return []
+    args = getattr(trainer, "args", None)
+    if precision not in ("bf16", "fp16") or getattr(args, "tf32", None) is True:
+        return []  # tf32=True: float32 GEMMs already run on tensor cores, the fix the warning would name
     names = ["model"] if mostly_fp32(model) else []
-    precomputed = getattr(getattr(trainer, "args", None), "precompute_ref_log_probs", False)
+    precomputed = getattr(args, "precompute_ref_log_probs", False)
     unwrap = getattr(accelerator, "unwrap_model", None) or (lambda m: m)
     for attribute, name in FROZEN:
         frozen = getattr(trainer, attribute, None)
