@@ -21,6 +21,14 @@ Arms, interleaved (every round runs each once, in turn; the table gives medians 
   compiled   (``--compile``) the whole sweep as one ``torch.compile(dynamic=True)`` function (inductor); its first call
              (the compilation) is reported apart
 
+On a GPU (``--device cuda``; prepared for the next lent one, not yet run there) the GEMM writes the fp32 block itself,
+so the arms are: ``gemm_bf16``, ``gemm_fp32out`` (the fp32-output GEMM the package runs), ``restore`` (copying the
+saved fp32 block into the work buffer: subtract it from ``now``), ``now`` (restore, the package's accelerator branch
+of ``_softmax_minus_onehot_`` with its row factor, the cast to bf16) and ``compiled`` (the same sweep as one
+``torch.compile(dynamic=True)`` function, from the fp32 block to the bf16 gradient: 2-3 passes over the block where
+eager makes about ten, issue #22's candidate for <= 1.2x the floor).  ``--as-accelerator`` runs that arm set on CPU
+(a test of its code, not a measurement).
+
 Every variant's bf16 output is checked against ``now`` (max abs difference, printed).  The printed header names the
 CPU and whether its bf16 GEMMs are native (``_machine.py``): where they are emulated, the GEMM rows dwarf the sweeps.
 """
@@ -42,23 +50,77 @@ import torch  # noqa: E402
 H = 896
 
 
-def _block(V: int, seed: int = 0):
+def _block(V: int, seed: int = 0, device: str = "cpu", hidden: int = H):
     from liger_ddp_patch.losses import _kernels
 
-    rows = _kernels.resolve_token_chunk_size(None, V, "cpu", torch.bfloat16)
+    rows = _kernels.resolve_token_chunk_size(None, V, device, torch.bfloat16)
     g = torch.Generator().manual_seed(seed)
-    h = torch.randn(rows, H, generator=g).to(torch.bfloat16)
-    w = (torch.randn(V, H, generator=g) * 0.05).to(torch.bfloat16)
+    h = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
+    w = (torch.randn(V, hidden, generator=g) * 0.05).to(torch.bfloat16)
     labels = torch.randint(0, V, (rows, 1), generator=g)
     mult = -torch.rand(rows, generator=g)
-    return h, w, labels, mult
+    return tuple(t.to(device) for t in (h, w, labels, mult))
 
 
-def arms(V: int, tile_bytes: int, compile_: bool):
+def _sweep(x, lab, mult):
+    """The whole sweep as one function of the fp32 (or bf16) block: ``(softmax - onehot) * mult`` in bf16."""
+    xf = x.float()
+    m = xf.amax(1, keepdim=True)
+    e = torch.exp(xf - m)
+    s = e.sum(1, keepdim=True)
+    hit = torch.arange(x.shape[1], device=x.device).unsqueeze(0) == lab
+    logp = torch.where(hit, xf, 0.0).sum(1, keepdim=True) - m - torch.log(s)
+    g = torch.where(hit, torch.expm1(logp), e / s) * mult.unsqueeze(1)
+    return g.to(torch.bfloat16)
+
+
+def accelerator_arms(V: int, device: str, hidden: int, compile_: bool):
+    """The arm set of a GPU, where the GEMM writes the fp32 block (``--device cuda`` or ``--as-accelerator``)."""
+    from liger_ddp_patch.losses import _kernels, _onepass
+
+    h, w, labels, mult = _block(V, device=device, hidden=hidden)
+    rows = h.shape[0]
+    fp32_out = _kernels.fp32_out(device, torch.bfloat16)
+    half = torch.mm(h, w.t())
+    block = torch.mm(h, w.t(), out_dtype=torch.float32) if fp32_out else half.float()  # the GEMM's fp32 block
+    work = torch.empty_like(block)
+    out = torch.empty_like(half)
+
+    def now():
+        # the package's accelerator branch (max, sub, exp, sum; the row scale folded into the factor), then bf16
+        x = work.copy_(block)
+        with mock.patch.object(_kernels, "fused_log_softmax", lambda device: False):
+            _, _, k = _onepass._softmax_minus_onehot_(x, labels)
+        x.mul_((mult if k is None else mult * k).unsqueeze(1))
+        return out.copy_(x)
+
+    found = {
+        "gemm_bf16": lambda: torch.mm(h, w.t(), out=half),
+        "gemm_fp32out": (lambda: torch.mm(h, w.t(), out_dtype=torch.float32)) if fp32_out else (lambda: h.float()),
+        "restore": lambda: work.copy_(block),
+        "now": now,
+    }
+    first = None
+    if compile_:
+        compiled = torch.compile(_sweep, dynamic=True)
+        started = time.perf_counter()
+        compiled(block, labels, mult)
+        _sync(device)
+        first = time.perf_counter() - started
+        found["compiled"] = lambda: out.copy_(compiled(block, labels, mult))
+    return found, rows, rows, first
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def arms(V: int, tile_bytes: int, compile_: bool, hidden: int = H):
     """``{name: step}`` over one shared block; each step returns the bf16 gradient block it made."""
     from liger_ddp_patch.losses import _kernels, _onepass
 
-    h, w, labels, mult = _block(V)
+    h, w, labels, mult = _block(V, hidden=hidden)
     rows = h.shape[0]
     plan = _kernels.Plan(rows, torch.bfloat16, torch.float32, _kernels.logits_budget_bytes("cpu"), False)
     bufs = _kernels.LogitsBuffers(rows, V, plan, torch.device("cpu"))
@@ -103,18 +165,7 @@ def arms(V: int, tile_bytes: int, compile_: bool):
     }
     first = None
     if compile_:
-
-        def sweep(x, lab, mult):
-            xf = x.float()
-            m = xf.amax(1, keepdim=True)
-            e = torch.exp(xf - m)
-            s = e.sum(1, keepdim=True)
-            hit = torch.arange(x.shape[1], device=x.device).unsqueeze(0) == lab
-            logp = torch.where(hit, xf, 0.0).sum(1, keepdim=True) - m - torch.log(s)
-            g = torch.where(hit, torch.expm1(logp), e / s) * mult.unsqueeze(1)
-            return g.to(x.dtype)
-
-        compiled = torch.compile(sweep, dynamic=True)
+        compiled = torch.compile(_sweep, dynamic=True)
         started = time.perf_counter()
         compiled(half, labels, mult)
         first = time.perf_counter() - started
@@ -132,28 +183,37 @@ def main():
         "--compile", action="store_true", help="also the torch.compile'd sweep (inductor; needs a C++ compiler)"
     )
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the GPU arm set (see above)")
+    ap.add_argument("--as-accelerator", action="store_true", help="the GPU arm set on CPU (a test of its code)")
+    ap.add_argument("--hidden", type=int, default=H, help="hidden size (a GPU run: 3584, Qwen2.5-7B's)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     import _machine
 
-    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {_machine.describe()}  torch {torch.__version__}  "
-          f"threads {torch.get_num_threads()}  H={H}  rounds={args.rounds}")  # fmt: skip
+    where = torch.cuda.get_device_name(0) if args.device == "cuda" else _machine.describe()
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {where}  torch {torch.__version__}  "
+          f"threads {torch.get_num_threads()}  H={args.hidden}  rounds={args.rounds}")  # fmt: skip
     for V in (int(v) for v in args.vocab.split(",")):
-        found, rows, tile, first = arms(V, args.tile_bytes, args.compile)
+        if args.device == "cuda" or args.as_accelerator:
+            found, rows, tile, first = accelerator_arms(V, args.device, args.hidden, args.compile)
+        else:
+            found, rows, tile, first = arms(V, args.tile_bytes, args.compile, args.hidden)
         reference = found["now"]().float().clone()
         errors = {  # every arm writes the same output tensor: compare each as it comes
             name: (f().float() - reference).abs().max().item()
             for name, f in found.items()
-            if not name.startswith("gemm")
+            if not name.startswith("gemm") and name != "restore"
         }
         for f in found.values():  # warm-up
             f()
         times: dict[str, list[float]] = {name: [] for name in found}
         for _ in range(args.rounds):
             for name, f in found.items():
+                _sync(args.device)
                 started = time.perf_counter()
                 f()
+                _sync(args.device)
                 times[name].append(time.perf_counter() - started)
         med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         print(f"\nV={V:,}: one block of {rows} x {V:,} logits (tiles of {tile} rows)")
