@@ -195,3 +195,15 @@ def test_gpu_profile_cpu_smoke(tmp_path):
     assert step["error"] is None and set(step["profile"]) == {"0", "1"}, step
     assert all(len(t) == 2 for t in step["times"]), step["times"]  # warm-up + 1 measured; the profiled one apart
     assert any("OnePassLoss" in op["op"] for op in step["profile"]["0"]["by_cpu"]), step["profile"]["0"]["by_cpu"]
+
+
+def test_bench_sweeps_gpu_arm_set_runs_on_cpu():
+    """benchmarks/bench_sweeps.py --device cuda is prepared, not yet run on a GPU: its arm set (--as-accelerator)
+    runs here, and the package's accelerator sweep equals itself (the row every other arm is checked against)."""
+    script = ROOT / "benchmarks" / "bench_sweeps.py"
+    cmd = [sys.executable, str(script), "--as-accelerator", "--vocab", "512", "--rounds", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    assert {"gemm_bf16", "gemm_fp32out", "restore", "now"} <= rows.keys(), proc.stdout
+    assert rows["now"].rstrip(" |").endswith("0.0e+00"), rows["now"]
