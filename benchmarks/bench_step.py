@@ -102,15 +102,21 @@ def _start_profile(cuda: bool):
     return prof
 
 
+def device_us(event) -> float:
+    """A profiler event's self device time in microseconds (torch renamed ``self_cuda_time_total``)."""
+    return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0) or 0
+
+
+def gpu_kernels(events) -> list:
+    """The GPU's own events (kernels, copies) of a profile's ``key_averages()``; empty on CPU."""
+    return [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+
+
 def _write_profile(prof, wall_s: float, prefix: str, top: int = 25) -> None:
     """One profiled step, summarised (``<prefix>.rank<r>.json``): the ops by self CPU and by self device time."""
     prof.__exit__(None, None, None)
     events = prof.key_averages()
-
-    def device(e):
-        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
-
-    kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]  # the GPU's own events
+    device, kernels = device_us, gpu_kernels(events)
 
     def ranked(rows, key):
         rows = sorted(rows, key=key, reverse=True)[:top]

@@ -102,13 +102,18 @@ def accelerator_arms(V: int, device: str, hidden: int, compile_: bool):
     }
     first = None
     if compile_:
-        compiled = torch.compile(_sweep, dynamic=True)
-        started = time.perf_counter()
-        compiled(block, labels, mult)
-        _sync(device)
-        first = time.perf_counter() - started
+        compiled, first = _compiled(block, labels, mult, device)
         found["compiled"] = lambda: out.copy_(compiled(block, labels, mult))
     return found, rows, rows, first
+
+
+def _compiled(x, labels, mult, device: str = "cpu"):
+    """``(the sweep compiled with dynamic shapes, seconds of its first call: the compilation)``."""
+    compiled = torch.compile(_sweep, dynamic=True)
+    started = time.perf_counter()
+    compiled(x, labels, mult)
+    _sync(device)
+    return compiled, time.perf_counter() - started
 
 
 def _sync(device: str) -> None:
@@ -165,10 +170,7 @@ def arms(V: int, tile_bytes: int, compile_: bool, hidden: int = H):
     }
     first = None
     if compile_:
-        compiled = torch.compile(_sweep, dynamic=True)
-        started = time.perf_counter()
-        compiled(half, labels, mult)
-        first = time.perf_counter() - started
+        compiled, first = _compiled(half, labels, mult)
         found["compiled"] = lambda: compiled(half, labels, mult)
     # the block every sweep starts from must be the GEMM's: gemm_bf16 rewrites `half` with the same values
     return found, rows, tile, first

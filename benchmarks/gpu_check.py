@@ -142,6 +142,23 @@ def _pythonpath(*first: str) -> str:
 # ------------------------------------------------------------------------------------ (a) the loss head
 
 
+def time_ms(fn, cuda: bool) -> float:
+    """Milliseconds of one ``fn()``: CUDA events on a GPU (after a synchronize), else the wall clock."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def part_a(device: str, size: dict, reps: int, out_json: Path) -> list[dict]:
     """Runs inside a process with TRL 1.14 first on sys.path; rewrites ``out_json`` after every arm."""
     import torch
@@ -154,17 +171,7 @@ def part_a(device: str, size: dict, reps: int, out_json: Path) -> list[dict]:
     cuda = device == "cuda"
 
     def timer(fn):
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
+        return time_ms(fn, cuda)
 
     rows = []
     V, H, B, L = size["V"], size["H"], size["B"], size["L"]
@@ -285,15 +292,14 @@ def run_part_b(args, paths, out: Path) -> list[dict]:
 # ---------------------------------------------------------------------------------------- (c) the whole step
 
 
-def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
-    """bench_step's launches on this device, two one-process nodes (both ranks on cuda:0), one row per trainer x
-    arm; no launch starts after ``deadline`` (a row then says so).  Rewrites ``part_c.json`` after every launch."""
+def step_setup(args, paths: dict):
+    """The step model of (c), drawn and saved once: ``(size, L, assets, work folder, TRL folders per arm)``."""
     sys.path.insert(0, str(HERE))
     import bench_step
 
     size = dict(SMOKE_STEP if args.cpu_smoke else GPU_STEP)
-    L = args.step_length or size.pop("L")
-    size.pop("L", None)
+    L = getattr(args, "step_length", None) or size["L"]
+    size.pop("L")
     size["max_len"] = max(4096, L)
     work = Path(tempfile.mkdtemp(prefix="gpu-check-step-"))  # not --out: the model is GBs, and --out comes back
     assets = bench_step.build_assets(work / "model", size, dtype="bfloat16", device=args.device)
@@ -301,10 +307,19 @@ def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
         import torch
 
         torch.cuda.empty_cache()  # the parent's drawing buffers must not sit on the GPU the ranks measure
+    trl = {"1.12.0": paths["trl-1.12.0"], "1.14.0": paths["trl-1.14.0"], "common": paths["common"]}
+    return size, L, assets, work, trl
+
+
+def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
+    """bench_step's launches on this device, two one-process nodes (both ranks on cuda:0), one row per trainer x
+    arm; no launch starts after ``deadline`` (a row then says so).  Rewrites ``part_c.json`` after every launch."""
+    import bench_step
+
+    size, L, assets, work, trl = step_setup(args, paths)
     opts = argparse.Namespace(threads=1 if args.cpu_smoke else 4, nproc=2, nodes=2, device=args.device,
                               steps=args.reps_c, warmup=1, mem_kill_gib=float("inf"),
                               ref_same_dtype=args.ref_same_dtype)  # fmt: skip
-    trl = {"1.12.0": paths["trl-1.12.0"], "1.14.0": paths["trl-1.14.0"], "common": paths["common"]}
     rows: list[dict] = []
     trainers = SMOKE_STEP_TRAINERS if args.cpu_smoke else STEP_TRAINERS
     for trainer in trainers:

@@ -42,13 +42,13 @@ def _is_gemm(name: str) -> bool:
 
 def kernel_split(prof, top: int = 12) -> dict:
     """GPU kernel time (CPU op time when there is no GPU) in GEMMs and in the rest, and the top entries."""
+    from bench_step import device_us, gpu_kernels
+
     events = prof.key_averages()
-    kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    kernels = gpu_kernels(events)
 
     def cost(e):
-        if kernels:
-            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
-        return e.self_cpu_time_total
+        return device_us(e) if kernels else e.self_cpu_time_total
 
     rows = kernels or list(events)
     gemm = sum(cost(e) for e in rows if _is_gemm(e.key)) / 1e3
@@ -65,19 +65,6 @@ def part_a(device: str, size: dict, reps: int) -> list[dict]:
 
     cuda = device == "cuda"
 
-    def timed(step):
-        if cuda:
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            torch.cuda.synchronize()
-            return a.elapsed_time(b)
-        t0 = time.perf_counter()
-        step()
-        return (time.perf_counter() - t0) * 1e3
-
     rows = []
     V, H, B, L = size["V"], size["H"], size["B"], size["L"]
     for kind in KINDS:
@@ -90,7 +77,7 @@ def part_a(device: str, size: dict, reps: int) -> list[dict]:
             for _ in range(reps):  # interleaved
                 for arm in ARMS:
                     x["h"].grad = x["w"].grad = None
-                    times[arm].append(timed(steps[arm]))
+                    times[arm].append(gpu_check.time_ms(steps[arm], cuda))
             row = dict(kind=kind, prompt=frac, ms={a: sorted(t)[len(t) // 2] for a, t in times.items()})
             row["ours_over_floor"] = row["ms"]["ours"] / row["ms"]["gemm"]
             for arm in ("ours", "gemm"):
@@ -113,19 +100,10 @@ def part_a(device: str, size: dict, reps: int) -> list[dict]:
 def part_c(args, paths: dict, out: Path, deadline: float) -> list[dict]:
     import bench_step
 
-    size = dict(gpu_check.SMOKE_STEP if args.cpu_smoke else gpu_check.GPU_STEP)
-    L = size.pop("L")
-    size["max_len"] = max(4096, L)
-    work = Path(tempfile.mkdtemp(prefix="gpu-profile-step-"))
-    assets = bench_step.build_assets(work / "model", size, dtype="bfloat16", device=args.device)
-    if args.device == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()
+    _, L, assets, work, trl = gpu_check.step_setup(args, paths)
     opts = argparse.Namespace(threads=1 if args.cpu_smoke else 4, nproc=2, nodes=2, device=args.device, steps=1,
                               warmup=1, mem_kill_gib=float("inf"), timeout=args.timeout_c,
                               ref_same_dtype=args.ref_same_dtype)  # fmt: skip
-    trl = {"1.12.0": paths["trl-1.12.0"], "1.14.0": paths["trl-1.14.0"], "common": paths["common"]}
     rows = []
     for trainer in args.trainers.split(","):
         for arm in args.arms.split(","):
