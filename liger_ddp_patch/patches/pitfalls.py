@@ -78,12 +78,14 @@ FP32_NOTE = "a float32 model under mixed precision runs float32 GEMMs in TRL's L
 
 def mostly_fp32(model: Any) -> bool:
     """Whether most of ``model``'s floating-point parameter elements are float32 (LoRA's few fp32 adapters aside)."""
-    sizes: dict = {}
+    fp32 = other = 0
     for param in model.parameters() if model is not None else ():
         if param.is_floating_point():
-            sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
-    fp32 = sizes.pop(next((d for d in sizes if str(d) == "torch.float32"), None), 0)
-    return fp32 > sum(sizes.values())
+            if str(param.dtype) == "torch.float32":  # torch is not imported here: the package imports light
+                fp32 += param.numel()
+            else:
+                other += param.numel()
+    return fp32 > other
 
 
 # The frozen models a trainer runs beside the one it trains, by attribute (DPO/KTO; GKD/GOLD/Distillation/IW-OPD).
