@@ -8,14 +8,16 @@ from . import chunked_loss, compute_loss, liger_settings, settings_warning, trl_
 from .trainers import SPECS, TrainerSpec
 
 
-def _trl(spec: TrainerSpec) -> dict:
-    """Releases whose trainer code we have read, the spec's affected range and its fix: a release outside RELEASES is
-    "unknown", and the shape check decides."""
-    return dict(
+def _record(spec: TrainerSpec, **fields) -> Patch:
+    """A record on the spec's trainer modules.  Releases whose trainer code we have read, the spec's affected range
+    and its fix: a release outside RELEASES is "unknown", and the shape check decides."""
+    return Patch(
+        module=spec.hooked_modules,
         distribution="trl",
         affected=spec.affected or trl_versions.AFFECTED,
         fixed_in=spec.fixed_in or trl_versions.FIXED_IN,
         releases=trl_versions.RELEASES,
+        **fields,
     )
 
 
@@ -23,45 +25,42 @@ def records(spec: TrainerSpec) -> tuple[Patch, ...]:
     """The spec's records: its compute_loss always; the loss swap when it has one (DPO/KTO); the settings warning when
     some release of its Liger path drops or changes a setting (:mod:`.liger_settings`)."""
     label, ours = spec.name.upper().replace("_", "-"), spec.loss.partition(":")[2]
-    found = (
-        Patch(
+    found = [
+        _record(
+            spec,
             name=spec.compute_loss_patch,
-            module=spec.hooked_modules,
             attribute=(f"{spec.trainer}.compute_loss",),
             check=compute_loss.checker(spec),
             replace=compute_loss.replacer(spec),
             summary=f"routes the Liger {label} loss of trainers that run under DistributedDataParallel through the "
             "wrapper's forward; every other setup runs TRL's own code",
-            **_trl(spec),
-        ),
-    )
+        )
+    ]
     if spec.loss:
-        found += (
-            Patch(
+        found.append(
+            _record(
+                spec,
                 name=spec.chunked_loss_patch,
-                module=spec.hooked_modules,
                 attribute=spec.fused,
                 check=chunked_loss.checker(spec),
                 replace=None,  # armed: the compute_loss patch swaps a DDP trainer's loss object at run time
                 requires=("liger_kernel",),  # 1.0.0-1.12.0 import the fused loss only when liger-kernel is installed
                 summary=f"swaps the fused loss of {label} trainers that run under DistributedDataParallel for {ours}",
-                **_trl(spec),
-            ),
+            )
         )
     if liger_settings.facts(spec.name):
-        found += (
-            Patch(
+        found.append(
+            _record(
+                spec,
                 name=spec.liger_settings_patch,
-                module=spec.hooked_modules,
                 attribute=(f"{spec.trainer}.__init__",),
                 check=settings_warning.checker(spec),
                 replace=settings_warning.replacer(spec),
                 summary=f"warns once per setting that TRL's Liger {label} loss drops or computes differently; changes "
                 "nothing",
-                **_trl(spec),
-            ),
+            )
         )
-    return found
+    return tuple(found)
 
 
 PATCHES = tuple(record for spec in SPECS for record in records(spec))

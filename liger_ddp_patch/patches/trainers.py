@@ -127,20 +127,13 @@ GKD = TrainerSpec(
     upstream="TRL #5282",
 )
 
-GOLD = TrainerSpec(
+# GOLD: GKD's Liger path, in its own module; its ULD branch calls the model (the wrapper) itself.
+GOLD = GKD._replace(
     name="gold",
     trainer="GOLDTrainer",
     config="GOLDConfig",
-    dataset="messages",
     modules=(("1.0.0", "trl.experimental.gold.gold_trainer"),),
-    shapes=(("1.0.0", "decoder_unrouted"), ("1.6.0", "head_outside"), ("1.14.0", "fixed")),
-    affected=">=1.0.0,<1.14.0",
-    fixed_in="1.14.0",
-    liger_flags=("use_liger_gkd_loss",),
-    fused=_JSD,
-    loss_attributes=("liger_jsd_loss", "liger_loss"),
-    not_liger_when=("use_uld_loss", "teacher_tokenizer"),  # the ULD branch calls the model (the wrapper) itself
-    upstream="TRL #5282",
+    not_liger_when=("use_uld_loss", "teacher_tokenizer"),
 )
 
 # Added in 1.1.0 (trl.experimental); 1.10.0 promoted it to trl.trainer, where the whole loss is routed.
