@@ -26,8 +26,10 @@ so the arms are: ``gemm_bf16``, ``gemm_fp32out`` (the fp32-output GEMM the packa
 saved fp32 block into the work buffer: subtract it from ``now``), ``now`` (restore, the package's accelerator branch
 of ``_softmax_minus_onehot_`` with its row factor, the cast to bf16) and ``compiled`` (the same sweep as one
 ``torch.compile(dynamic=True)`` function, from the fp32 block to the bf16 gradient: 2-3 passes over the block where
-eager makes about ten, issue #22's candidate for <= 1.2x the floor).  ``--as-accelerator`` runs that arm set on CPU
-(a test of its code, not a measurement).
+eager makes about ten, issue #22's candidate for <= 1.2x the floor) and ``triton`` (``_fused_sweep.py``: the same
+sweep as two hand-written Triton kernels, three passes: a log-sum-exp read, a gradient read and a bf16 write; where
+Triton runs: a GPU, or its CPU interpreter with ``TRITON_INTERPRET=1``).  ``--as-accelerator`` runs that arm set on
+CPU (a test of its code, not a measurement; ``--rows`` shrinks the block for the interpreter).
 
 Every variant's bf16 output is checked against ``now`` (max abs difference, printed).  The printed header names the
 CPU and whether its bf16 GEMMs are native (``_machine.py``): where they are emulated, the GEMM rows dwarf the sweeps.
@@ -50,10 +52,10 @@ import torch  # noqa: E402
 H = 896
 
 
-def _block(V: int, seed: int = 0, device: str = "cpu", hidden: int = H):
+def _block(V: int, seed: int = 0, device: str = "cpu", hidden: int = H, rows: int | None = None):
     from liger_ddp_patch.losses import _kernels
 
-    rows = _kernels.resolve_token_chunk_size(None, V, device, torch.bfloat16)
+    rows = rows or _kernels.resolve_token_chunk_size(None, V, device, torch.bfloat16)
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
     w = (torch.randn(V, hidden, generator=g) * 0.05).to(torch.bfloat16)
@@ -74,11 +76,11 @@ def _sweep(x, lab, mult):
     return g.to(torch.bfloat16)
 
 
-def accelerator_arms(V: int, device: str, hidden: int, compile_: bool):
+def accelerator_arms(V: int, device: str, hidden: int, compile_: bool, rows: int | None = None):
     """The arm set of a GPU, where the GEMM writes the fp32 block (``--device cuda`` or ``--as-accelerator``)."""
     from liger_ddp_patch.losses import _kernels, _onepass
 
-    h, w, labels, mult = _block(V, device=device, hidden=hidden)
+    h, w, labels, mult = _block(V, device=device, hidden=hidden, rows=rows)
     rows = h.shape[0]
     fp32_out = _kernels.fp32_out(device, torch.bfloat16)
     half = torch.mm(h, w.t())
@@ -100,11 +102,33 @@ def accelerator_arms(V: int, device: str, hidden: int, compile_: bool):
         "restore": lambda: work.copy_(block),
         "now": now,
     }
-    first = None
+    first = {}
     if compile_:
-        compiled, first = _compiled(block, labels, mult, device)
+        compiled, first["compiled"] = _compiled(block, labels, mult, device)
         found["compiled"] = lambda: out.copy_(compiled(block, labels, mult))
+    if fused := _fused():
+        started = time.perf_counter()
+        fused.sweep(block, labels, mult, out)  # the first call compiles the two kernels
+        _sync(device)
+        first["triton"] = time.perf_counter() - started
+
+        def triton_sweep():
+            fused.sweep(block, labels, mult, out)
+            return out
+
+        found["triton"] = triton_sweep
     return found, rows, rows, first
+
+
+def _fused():
+    """``_fused_sweep`` where Triton can run it: a GPU, or its CPU interpreter (``TRITON_INTERPRET=1``); else None."""
+    if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    try:
+        import _fused_sweep
+    except ImportError:  # no triton
+        return None
+    return _fused_sweep
 
 
 def _compiled(x, labels, mult, device: str = "cpu"):
@@ -168,9 +192,9 @@ def arms(V: int, tile_bytes: int, compile_: bool, hidden: int = H):
         "tiled": tiled,
         "one_exp": one_exp,
     }
-    first = None
+    first = {}
     if compile_:
-        compiled, first = _compiled(half, labels, mult)
+        compiled, first["compiled"] = _compiled(half, labels, mult)
         found["compiled"] = lambda: compiled(half, labels, mult)
     # the block every sweep starts from must be the GEMM's: gemm_bf16 rewrites `half` with the same values
     return found, rows, tile, first
@@ -188,6 +212,7 @@ def main():
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: the GPU arm set (see above)")
     ap.add_argument("--as-accelerator", action="store_true", help="the GPU arm set on CPU (a test of its code)")
     ap.add_argument("--hidden", type=int, default=H, help="hidden size (a GPU run: 3584, Qwen2.5-7B's)")
+    ap.add_argument("--rows", type=int, default=None, help="GPU arm set: rows per block (default: the package's chunk)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -198,7 +223,7 @@ def main():
           f"threads {torch.get_num_threads()}  H={args.hidden}  rounds={args.rounds}")  # fmt: skip
     for V in (int(v) for v in args.vocab.split(",")):
         if args.device == "cuda" or args.as_accelerator:
-            found, rows, tile, first = accelerator_arms(V, args.device, args.hidden, args.compile)
+            found, rows, tile, first = accelerator_arms(V, args.device, args.hidden, args.compile, args.rows)
         else:
             found, rows, tile, first = arms(V, args.tile_bytes, args.compile, args.hidden)
         reference = found["now"]().float().clone()
@@ -223,8 +248,8 @@ def main():
         for name, ms in med.items():
             err = f"{errors[name]:.1e}" if name in errors else "-"
             print(f"| {name} | {ms:.1f} | {ms / med['now']:.2f} | {ms / med['gemm_bf16']:.3f} | {err} |")
-        if first is not None:
-            print(f"(compiled: first call, the compilation included, {first:.1f} s)")
+        for name, seconds in first.items():
+            print(f"({name}: first call, the compilation included, {seconds:.1f} s)")
 
 
 if __name__ == "__main__":

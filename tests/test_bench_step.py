@@ -52,6 +52,17 @@ def test_smallest_configuration_runs_patched_and_liger_off(tmp_path):
     assert "| DPO | fp32 | 50% | 32 | 128 |" in stdout, stdout
 
 
+@pytest.mark.ddp
+def test_one_process_launch_measures_an_arm_that_two_ranks_cannot_fit(tmp_path):
+    """``--nproc 1`` (how Liger-off's L=2048 peak was measured: one process, no DDP) reports its one rank: times,
+    base and peak."""
+    _, report = _run(tmp_path, "--trainers", "dpo", "--arms", "off", "--nproc", "1", "--warmup", "0", "--steps", "1")
+    (run,) = report["runs"]
+    assert "error" not in run, (run.get("error"), run.get("log_tail"))
+    (rank,) = run["ranks"]
+    assert rank["world"] == 1 and len(rank["times"]) == 1 and rank["peak"] >= rank["base"] > 0, rank
+
+
 def test_rows_over_the_memory_limit_are_reported_not_launched(tmp_path):
     """A memory limit below any estimate: nothing launches (seconds), and every arm's row says why, with the
     estimate, in the table and in the JSON."""
