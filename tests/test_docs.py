@@ -82,8 +82,9 @@ def inline_commands(text: str) -> list[str]:
 
 
 def plain_block_commands(text: str) -> list[str]:
-    """Lines of unlabelled fenced blocks that start with a program we know (benchmark invocations, mostly)."""
-    return [line.strip() for block in fenced(text, "") for line in block.splitlines() if _is_command(line.split())]
+    """Lines of unlabelled fenced blocks that start with a program we know (continuations joined, as in bash)."""
+    lines = (line.strip() for block in fenced(text, "") for line in block.replace("\\\n", " ").splitlines())
+    return [line for line in lines if _is_command(line.split())]
 
 
 def _is_command(words: list[str]) -> bool:
