@@ -26,7 +26,7 @@ so the arms are: ``gemm_bf16``, ``gemm_fp32out`` (the fp32-output GEMM the packa
 saved fp32 block into the work buffer: subtract it from ``now``), ``now`` (restore, the package's accelerator branch
 of ``_softmax_minus_onehot_`` with its row factor, the cast to bf16) and ``compiled`` (the same sweep as one
 ``torch.compile(dynamic=True)`` function, from the fp32 block to the bf16 gradient: 2-3 passes over the block where
-eager makes about ten, issue #22's candidate for <= 1.2x the floor) and ``triton`` (``_fused_sweep.py``: the same
+eager makes about ten, issue #22's candidate for <= 1.2x the floor) and ``triton`` (``losses/_triton.py``, ``sweep="triton"``: the same
 sweep as two hand-written Triton kernels, three passes: a log-sum-exp read, a gradient read and a bf16 write; where
 Triton runs: a GPU, or its CPU interpreter with ``TRITON_INTERPRET=1``).  ``--as-accelerator`` runs that arm set on
 CPU (a test of its code, not a measurement; ``--rows`` shrinks the block for the interpreter).
@@ -107,28 +107,30 @@ def accelerator_arms(V: int, device: str, hidden: int, compile_: bool, rows: int
         compiled, first["compiled"] = _compiled(block, labels, mult, device)
         found["compiled"] = lambda: out.copy_(compiled(block, labels, mult))
     if fused := _fused():
+
+        def triton_sweep():  # what ChunkedDPOLoss(sweep="triton") runs per chunk
+            logp, lse = fused.row_lse(block, labels)
+            return fused.grad_(block, labels, lse, logp, mult, out)
+
         started = time.perf_counter()
-        fused.sweep(block, labels, mult, out)  # the first call compiles the two kernels
+        triton_sweep()  # the first call compiles the two kernels
         _sync(device)
         first["triton"] = time.perf_counter() - started
-
-        def triton_sweep():
-            fused.sweep(block, labels, mult, out)
-            return out
 
         found["triton"] = triton_sweep
     return found, rows, rows, first
 
 
 def _fused():
-    """``_fused_sweep`` where Triton can run it: a GPU, or its CPU interpreter (``TRITON_INTERPRET=1``); else None."""
+    """The package's ``losses/_triton.py`` where Triton can run it: a GPU, or its CPU interpreter
+    (``TRITON_INTERPRET=1``); else None."""
     if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
         return None
     try:
-        import _fused_sweep
+        from liger_ddp_patch.losses import _triton
     except ImportError:  # no triton
         return None
-    return _fused_sweep
+    return _triton
 
 
 def _compiled(x, labels, mult, device: str = "cpu"):

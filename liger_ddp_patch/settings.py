@@ -30,6 +30,7 @@ class LossOptions(NamedTuple):
 
     one_pass: bool | None = None
     token_chunk_size: int | None = None
+    sweep: str | None = None
 
     def overrides(self) -> dict:
         """The keyword arguments of ``ChunkedDPOLoss`` / ``ChunkedKTOLoss`` that the variable sets."""
@@ -38,7 +39,8 @@ class LossOptions(NamedTuple):
     def describe(self) -> str:
         one_pass = "1 (default)" if self.one_pass is None else str(int(self.one_pass))
         chunk = "auto (default)" if self.token_chunk_size is None else str(self.token_chunk_size)
-        return f"one_pass={one_pass}, token_chunk_size={chunk}"
+        sweep = "eager (default)" if self.sweep is None else self.sweep
+        return f"one_pass={one_pass}, token_chunk_size={chunk}, sweep={sweep}"
 
 
 class Settings(NamedTuple):
@@ -120,7 +122,8 @@ def _parse_disable(raw: str, known: frozenset[str]) -> tuple[bool, frozenset[str
 
 _LOSS_USAGE = (
     f"expected comma-separated key=value: one_pass=0|1 (0: the two-pass loss, no gradient held from the forward to "
-    f"the backward), token_chunk_size=<positive integer> (loss tokens per chunk), e.g. "
+    f"the backward), token_chunk_size=<positive integer> (loss tokens per chunk), sweep=eager|triton (triton: "
+    f"the softmax and gradient sweep as Triton kernels, CUDA only), e.g. "
     f"{LOSS}=one_pass=0,token_chunk_size=1024"
 )
 
@@ -140,6 +143,8 @@ def parse_loss(raw: str) -> LossOptions:
             options[key] = value.lower() in _TRUE
         elif key == "token_chunk_size" and value.isdigit() and int(value) > 0:
             options[key] = int(value)
+        elif key == "sweep" and value.lower() in ("eager", "triton"):
+            options[key] = value.lower()
         else:
             _warn(f"{LOSS}={raw!r}: {key}={value!r} is not valid; {_LOSS_USAGE}. Using the default for {key}.")
     return LossOptions(**options)

@@ -114,6 +114,7 @@ def test_loss_options(fresh_loss_parse, value, options):
         ("one_pass=maybe", "one_pass='maybe' is not valid", {}),
         ("chunk=512", "'chunk=512' is not a known key=value", {}),
         ("one_pass", "'one_pass' is not a known key=value", {}),
+        ("sweep=fused,one_pass=1", "sweep='fused' is not valid", {"one_pass": True}),
     ],
 )
 def test_bad_loss_options_warn_and_keep_the_defaults(fresh_loss_parse, value, bad, kept):
@@ -123,14 +124,18 @@ def test_bad_loss_options_warn_and_keep_the_defaults(fresh_loss_parse, value, ba
     message = str(caught[0].message)
     assert message.startswith(f"LIGER_DDP_PATCH_LOSS={value!r}: {bad}"), message
     assert "one_pass=0|1" in message and "token_chunk_size=<positive integer>" in message  # what to write instead
+    assert "sweep=eager|triton" in message
 
 
 def test_loss_options_describe_the_defaults():
-    assert settings.LossOptions().describe() == "one_pass=1 (default), token_chunk_size=auto (default)"
-    assert settings.LossOptions(False, 512).describe() == "one_pass=0, token_chunk_size=512"
+    defaults = "one_pass=1 (default), token_chunk_size=auto (default), sweep=eager (default)"
+    assert settings.LossOptions().describe() == defaults
+    assert settings.LossOptions(False, 512, "triton").describe() == "one_pass=0, token_chunk_size=512, sweep=triton"
 
 
-@pytest.mark.parametrize(("kind", "value"), [("dpo", "one_pass=0,token_chunk_size=7"), ("kto", "token_chunk_size=3")])
+@pytest.mark.parametrize(
+    ("kind", "value"), [("dpo", "one_pass=0,token_chunk_size=7"), ("kto", "token_chunk_size=3,sweep=triton")]
+)
 def test_the_swap_builds_our_loss_with_the_options(fresh_loss_parse, monkeypatch, kind, value):
     """A real swap (the one the compute_loss patch makes under DDP) of Liger's fused loss, settings kept, with the
     variable's options on top; without the variable the defaults; a key our loss lacks is never passed."""
@@ -155,9 +160,11 @@ def test_the_swap_builds_our_loss_with_the_options(fresh_loss_parse, monkeypatch
     options = settings.parse_loss(value).overrides()
     assert type(loss).__name__ == f"Chunked{kind.upper()}Loss" and loss.beta == 0.25
     assert (loss.one_pass, loss.token_chunk_size) == (options.get("one_pass", True), options["token_chunk_size"])
+    assert loss.sweep == options.get("sweep", "eager")
     assert said.endswith(f"(LIGER_DDP_PATCH_LOSS: {value.replace(',', ', ')})"), said
     loss, said = swapped("")
-    assert (loss.one_pass, loss.token_chunk_size) == (True, None) and "LIGER_DDP_PATCH_LOSS" not in said
+    assert (loss.one_pass, loss.token_chunk_size, loss.sweep) == (True, None, "eager")
+    assert "LIGER_DDP_PATCH_LOSS" not in said
 
 
 def test_status_shows_the_loss_options(fresh_loss_parse, monkeypatch):
@@ -167,5 +174,6 @@ def test_status_shows_the_loss_options(fresh_loss_parse, monkeypatch):
     rows = {row.name: row for row in liger_ddp_patch.report()}
     for name in ("dpo_chunked_loss", "kto_chunked_loss"):
         if rows[name].status in ("applied", "pending"):
-            assert rows[name].reason.endswith("(LIGER_DDP_PATCH_LOSS): one_pass=0, token_chunk_size=auto (default)")
+            expected = "(LIGER_DDP_PATCH_LOSS): one_pass=0, token_chunk_size=auto (default), sweep=eager (default)"
+            assert rows[name].reason.endswith(expected)
     assert "LIGER_DDP_PATCH_LOSS" not in rows["dpo_compute_loss"].reason

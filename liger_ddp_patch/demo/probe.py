@@ -180,6 +180,7 @@ def _watch_losses(seen: dict) -> object:
             if getattr(module, "last_path", None) is not None:  # ours: the path and token chunk it really ran
                 seen.setdefault(f"{name} path", module.last_path)
                 seen.setdefault(f"{name} chunk", module.last_chunk)
+                seen.setdefault(f"{name} sweep", getattr(module, "last_sweep", None))
 
     return torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
 

@@ -7,7 +7,9 @@ those below it (as Liger's ``chunked_loss/``):
 * ``dpo.py``, ``kto.py`` -- one loss each: its formula, the loss of one group, its metrics;
 * ``_base.py`` -- the base class: a loss is a sum of per-group terms, and which path runs;
 * ``_onepass.py`` (gradients formed in the forward) and ``_twopass.py`` (the backward recomputes the logits);
-* ``_kernels.py`` -- the shared head kernels: the chunk/dtype plan, logits buffers, softmax, fp32 accumulation.
+* ``_kernels.py`` -- the shared head kernels: the chunk/dtype plan, logits buffers, softmax, fp32 accumulation;
+* ``_triton.py`` -- ``sweep="triton"`` only: the softmax and gradient sweep of a chunk as two Triton kernels
+  (imported on first use; the only module that imports anything beyond torch).
 """
 
 from .dpo import ChunkedDPOLoss

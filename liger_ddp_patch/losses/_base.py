@@ -59,11 +59,14 @@ class ChunkedLinearLoss(torch.nn.Module):
     """The options every chunked loss has, per-sequence log-probs, and the policy loss as a sum over groups."""
 
     def __init__(
-        self, ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size, one_pass=True
-    ):
+        self, ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size,
+        one_pass=True, sweep="eager",
+    ):  # fmt: skip
         super().__init__()
         if token_chunk_size is not None:
             resolve_token_chunk_size(token_chunk_size, 1)  # validate early
+        if sweep not in _kernels.SWEEPS:
+            raise ValueError(f"sweep must be one of {', '.join(map(repr, _kernels.SWEEPS))}, got {sweep!r}")
         self.ignore_index = ignore_index
         self.beta = beta
         self.compiled = compiled  # accepted for drop-in compatibility; nothing here is compiled
@@ -74,7 +77,8 @@ class ChunkedLinearLoss(torch.nn.Module):
         # True: gradients formed in the forward (``_onepass``) when one is needed; False: the two-pass path, which
         # holds no gradient between forward and backward (and no (V, H) sum for a pair longer than a chunk)
         self.one_pass = bool(one_pass)
-        self.last_path, self.last_chunk = None, None  # what the last forward did (diagnostics)
+        self.sweep = sweep  # "triton": the (chunk, V) sweep as Triton kernels where they run (_kernels.sweep_of)
+        self.last_path, self.last_chunk, self.last_sweep = None, None, None  # what the last forward did
 
     # ------------------------------------------------------------------------------------- what a loss provides
 
@@ -100,18 +104,18 @@ class ChunkedLinearLoss(torch.nn.Module):
     def sequence_logps(self, hidden, weight, bias, target):
         """Per-sequence log-probs (the reference model's, or a forward without gradient)."""
         logp, rows, counts = _twopass.token_logprobs(
-            hidden, weight, bias, target, self.ignore_index, self.token_chunk_size
+            hidden, weight, bias, target, self.ignore_index, self.token_chunk_size, self.sweep
         )
         return self.averaged(_kernels.sequence_sums(logp, rows, target.shape[0]), counts)
 
     def policy_loss(self, hidden, weight, bias, target, batch):
         """``(loss, per-row sums S (detached), counts)`` of the policy: the one-pass path when a gradient is needed
         and the loss is a sum over groups (unless ``one_pass=False``), else the two-pass path; recorded in
-        :attr:`last_path` / :attr:`last_chunk`."""
+        :attr:`last_path` / :attr:`last_chunk` / :attr:`last_sweep`."""
         sel = _kernels.select_tokens(hidden, target, self.ignore_index)
-        plan = Plan.of(hidden, weight, self.token_chunk_size)
+        plan = Plan.of(hidden, weight, self.token_chunk_size, self.sweep, bias)
         path, loss_of = self._path(needs_grad(hidden, weight, bias), sel, batch)
-        self.last_path, self.last_chunk = path, plan.chunk
+        self.last_path, self.last_chunk, self.last_sweep = path, plan.chunk, plan.sweep
         if path == ONE_PASS:
             schedule = _onepass.group_chunks(sel.rows, loss_of.group_of_row, sel.counts, plan.chunk)
             loss, sums = _onepass.OnePassLoss.apply(sel.hidden2d, weight, bias, sel, plan, schedule, loss_of)

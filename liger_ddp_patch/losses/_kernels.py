@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import os
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -33,6 +36,7 @@ __all__ = [
     "LOGITS_BUDGET_BYTES",
     "LogitsBuffers",
     "Plan",
+    "SWEEPS",
     "Selection",
     "add_product",
     "check_reference",
@@ -47,6 +51,7 @@ __all__ = [
     "select_tokens",
     "sequence_sums",
     "softmax_",
+    "sweep_of",
     "vocab_block_rows",
 ]
 
@@ -147,22 +152,63 @@ def vocab_block_rows(vocab_size: int, hidden_size: int, budget_bytes: int) -> in
     return max(1, min(-(-vocab_size // 4), budget_bytes // (4 * max(1, hidden_size))))
 
 
+SWEEPS = ("eager", "triton")
+
+
+def sweep_of(sweep: str, device: torch.device, mdtype: torch.dtype, bias) -> str:
+    """The sweep over each ``(chunk, V)`` block a call runs: ``"triton"`` (``_triton.py``) or ``"eager"``, the
+    latter with the reason when ``"triton"`` was asked for and cannot run here (warned once per reason)."""
+    if sweep == "eager":
+        return "eager"
+    why = _triton_unavailable(device.type)
+    if why is None and mdtype != torch.float32:
+        why = "fp64 inputs"
+    if why is None and bias is not None:
+        why = "an LM head with a bias"
+    if why is None:
+        return "triton"
+    _warn_once(f"sweep='triton' asked for, but {why}: the eager sweep runs instead")
+    return f"eager (triton: {why})"
+
+
+@functools.cache
+def _triton_unavailable(device_type: str) -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"a {device_type} tensor (Triton runs on CUDA, or on CPU with TRITON_INTERPRET=1)"
+    return None
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
 class Plan(NamedTuple):
     """How one call runs: ``chunk`` tokens per GEMM, the GEMM dtype ``cdtype``, the accumulation dtype ``mdtype``,
-    the per-chunk memory ``budget`` (bytes) and ``fast`` (the GEMM writes fp32 from half inputs)."""
+    the per-chunk memory ``budget`` (bytes), ``fast`` (the GEMM writes fp32 from half inputs) and ``sweep``
+    (:func:`sweep_of`: ``"triton"`` when the block's softmax and gradient run as the kernels of ``_triton.py``)."""
 
     chunk: int
     cdtype: torch.dtype
     mdtype: torch.dtype
     budget: int
     fast: bool
+    sweep: str = "eager"
 
     @classmethod
-    def of(cls, hidden: torch.Tensor, weight: torch.Tensor, token_chunk_size: int | None) -> Plan:
+    def of(cls, hidden, weight, token_chunk_size: int | None, sweep: str = "eager", bias=None) -> Plan:
         cdtype = compute_dtype(hidden, weight)
         budget = logits_budget_bytes(hidden.device)
         chunk = resolve_token_chunk_size(token_chunk_size, weight.shape[0], hidden.device, cdtype, budget)
-        return cls(chunk, cdtype, math_dtype(cdtype), budget, fp32_out(hidden.device, cdtype))
+        mdtype = math_dtype(cdtype)
+        how = sweep_of(sweep, hidden.device, mdtype, bias)
+        return cls(chunk, cdtype, mdtype, budget, fp32_out(hidden.device, cdtype), how)
+
+    @property
+    def triton(self) -> bool:
+        return self.sweep == "triton"
 
     def block_rows(self, weight: torch.Tensor) -> int:
         """Vocabulary rows per block where the weight gradient needs an fp32 tile (half precision, or a weight of
@@ -232,13 +278,19 @@ class LogitsBuffers:
             out += bias
         return out
 
-    def lowp(self, grad_logits, cdtype):
-        """``grad_logits`` in the compute dtype (into the half buffer, whose logits are no longer needed)."""
+    def lowp_out(self, grad_logits, cdtype):
+        """Where ``grad_logits`` goes in the compute dtype: itself (same dtype), the half buffer (whose logits are
+        no longer needed) or a fresh tensor."""
         if grad_logits.dtype == cdtype:
             return grad_logits
         if self.half is None:
-            return grad_logits.to(cdtype)
-        return self._block(self.half, *grad_logits.shape).copy_(grad_logits)
+            return torch.empty(grad_logits.shape, dtype=cdtype, device=grad_logits.device)
+        return self._block(self.half, *grad_logits.shape)
+
+    def lowp(self, grad_logits, cdtype):
+        """``grad_logits`` in the compute dtype (a copy into :meth:`lowp_out`)."""
+        out = self.lowp_out(grad_logits, cdtype)
+        return out if out is grad_logits else out.copy_(grad_logits)
 
 
 def fused_log_softmax(device: torch.device) -> bool:

@@ -162,6 +162,13 @@ def _softmax_minus_onehot_(logits, lab):
     return logp, lse, k
 
 
+def _triton():
+    """The Triton sweep (imported on first use: only a ``sweep="triton"`` plan gets here)."""
+    from . import _triton
+
+    return _triton
+
+
 class OnePassLoss(torch.autograd.Function):
     """``(loss, S)`` of a per-group loss of the per-row sums ``S``; gradients made in the forward.
 
@@ -231,7 +238,11 @@ class _Run:
         pos, lab, r = sel.positions[s:e], sel.labels[s:e].unsqueeze(1), sel.rows[s:e]
         h = sel.hidden2d.index_select(0, pos).to(plan.cdtype)
         gl = self.bufs.logits(h, self.w, self.bias)
-        logp, self.lse[s:e], k = _softmax_minus_onehot_(gl, lab)
+        if plan.triton:  # one read now; the gradient below, once the factors are known (one read, one write)
+            logp, self.lse[s:e] = _triton().row_lse(gl, lab)
+            k = None
+        else:
+            logp, self.lse[s:e], k = _softmax_minus_onehot_(gl, lab)
         self.sums.index_add_(0, r, logp.float())
         if c.pending is None:  # every group here is complete: its rows' factors are known
             g = grouped.gradient(self.sums, c.groups).to(plan.mdtype)
@@ -242,9 +253,12 @@ class _Run:
         else:  # a long group's rows: factor -1 until it ends
             mult = torch.full((e - s,), -1.0, dtype=plan.mdtype, device=gl.device)
         # gl <- mult * (softmax - onehot) = grad_logits, in fp32 (one sweep), then one cast to the compute dtype
-        # (half-precision mul(out=), scatter_ and exp(out=) are slow paths on CPU)
-        gl.mul_((mult if k is None else mult * k).unsqueeze(1))
-        glc = self.bufs.lowp(gl, plan.cdtype)
+        # (half-precision mul(out=), scatter_ and exp(out=) are slow paths on CPU); Triton: both in one kernel
+        if plan.triton:
+            glc = _triton().grad_(gl, lab, self.lse[s:e], logp, mult, self.bufs.lowp_out(gl, plan.cdtype))
+        else:
+            gl.mul_((mult if k is None else mult * k).unsqueeze(1))
+            glc = self.bufs.lowp(gl, plan.cdtype)
         gh = None
         if self.grad_h is not None:
             gh = torch.mm(glc, self.w, out_dtype=torch.float32) if plan.fast else glc @ self.w

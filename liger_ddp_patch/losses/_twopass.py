@@ -28,7 +28,12 @@ def forward_chunks(sel: Selection, weight, bias, plan: Plan):
     for s in range(0, n, plan.chunk):
         e = min(n, s + plan.chunk)
         logits = bufs.logits(sel.hidden2d.index_select(0, sel.positions[s:e]).to(plan.cdtype), w, bias)
-        logp[s:e], lse[s:e], _ = softmax_(logits, sel.labels[s:e].unsqueeze(1), probs=False)
+        if plan.triton:  # one read of the block instead of max, subtract, exp, sum
+            from . import _triton
+
+            logp[s:e], lse[s:e] = _triton.row_lse(logits, sel.labels[s:e])
+        else:
+            logp[s:e], lse[s:e], _ = softmax_(logits, sel.labels[s:e].unsqueeze(1), probs=False)
         del logits
     return logp, lse
 
@@ -139,7 +144,7 @@ class _Step:
             _kernels.add_product(acc, glc.t(), h, plan.fast)
 
 
-def token_logprobs(hidden, weight, bias, target, ignore_index, token_chunk_size=None):
+def token_logprobs(hidden, weight, bias, target, ignore_index, token_chunk_size=None, sweep="eager"):
     """Per-token target log-probs of the non-ignored positions.
 
     Args:
@@ -153,7 +158,8 @@ def token_logprobs(hidden, weight, bias, target, ignore_index, token_chunk_size=
         int64 ``(B,)`` the number of non-ignored tokens per row.
     """
     sel = _kernels.select_tokens(hidden, target, ignore_index)
-    return selected_logprobs(sel, weight, bias, Plan.of(hidden, weight, token_chunk_size)), sel.rows, sel.counts
+    plan = Plan.of(hidden, weight, token_chunk_size, sweep, bias)
+    return selected_logprobs(sel, weight, bias, plan), sel.rows, sel.counts
 
 
 def selected_logprobs(sel: Selection, weight, bias, plan: Plan):

@@ -171,6 +171,9 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
         one_pass: (our own keyword) ``False`` forces the two-pass path: one more GEMM per policy token, but no
             gradient held from the forward to the backward (the one-pass path holds grad-input and the weight
             gradient, plus up to two ``(V, H)`` sums for pairs longer than a chunk: ``_onepass``).
+        sweep: (our own keyword) ``"triton"`` runs each ``(chunk, V)`` block's softmax and gradient as two Triton
+            kernels (``_triton``: three passes over the block instead of about ten; CUDA, no bias, not fp64; else
+            the eager sweep, with a warning); ``"eager"`` (default) plain torch ops.
     """
 
     def __init__(
@@ -188,11 +191,13 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
         discopop_tau: float = 0.05,
         token_chunk_size: int | None = None,
         one_pass: bool = True,
+        sweep: str = "eager",
     ):
         _check_options(loss_type, label_smoothing)
         super().__init__(
-            ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size, one_pass
-        )
+            ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size, one_pass,
+            sweep,
+        )  # fmt: skip
         self.alpha = alpha
         self.compute_nll_loss = compute_nll_loss
         self.loss_type = loss_type
@@ -202,7 +207,7 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
     def extra_repr(self) -> str:
         return (
             f"loss_type={self.loss_type!r}, beta={self.beta}, use_ref_model={self.use_ref_model}, "
-            f"token_chunk_size={self.token_chunk_size}, one_pass={self.one_pass}"
+            f"token_chunk_size={self.token_chunk_size}, one_pass={self.one_pass}, sweep={self.sweep!r}"
         )
 
     def forward(

@@ -75,6 +75,7 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
         token_chunk_size: (our own keyword) non-ignored tokens projected per chunk; ``None`` = auto (a memory
             budget per device type, see ``ChunkedDPOLoss``).
         one_pass: (our own keyword) ``False`` forces the two-pass path (see ``ChunkedDPOLoss``).
+        sweep: (our own keyword) ``"eager"`` or ``"triton"`` (see ``ChunkedDPOLoss``).
     """
 
     def __init__(
@@ -87,15 +88,17 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
         chunk_size: int = 1,
         token_chunk_size: int | None = None,
         one_pass: bool = True,
+        sweep: str = "eager",
     ):
         super().__init__(
-            ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size, one_pass
-        )
+            ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size, one_pass,
+            sweep,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (
             f"beta={self.beta}, use_ref_model={self.use_ref_model}, token_chunk_size={self.token_chunk_size}, "
-            f"one_pass={self.one_pass}"
+            f"one_pass={self.one_pass}, sweep={self.sweep!r}"
         )
 
     def forward(
