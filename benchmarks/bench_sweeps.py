@@ -26,8 +26,9 @@ so the arms are: ``gemm_bf16``, ``gemm_fp32out`` (the fp32-output GEMM the packa
 saved fp32 block into the work buffer: subtract it from ``now``), ``now`` (restore, the package's accelerator branch
 of ``_softmax_minus_onehot_`` with its row factor, the cast to bf16) and ``compiled`` (the same sweep as one
 ``torch.compile(dynamic=True)`` function, from the fp32 block to the bf16 gradient: 2-3 passes over the block where
-eager makes about ten, issue #22's candidate for <= 1.2x the floor) and ``triton`` (``losses/_triton.py``, ``sweep="triton"``: the same
-sweep as two hand-written Triton kernels, three passes: a log-sum-exp read, a gradient read and a bf16 write; where
+eager makes about ten, issue #22's candidate for <= 1.2x the floor) and ``triton`` (the package's
+``losses/_triton.py``, ``sweep="triton"``: the same sweep as two Triton kernels, three passes: a log-sum-exp read, a
+gradient read and a bf16 write; where
 Triton runs: a GPU, or its CPU interpreter with ``TRITON_INTERPRET=1``).  ``--as-accelerator`` runs that arm set on
 CPU (a test of its code, not a measurement; ``--rows`` shrinks the block for the interpreter).
 
