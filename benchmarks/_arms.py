@@ -9,6 +9,8 @@ rows labelled desirable / undesirable alternately, a scalar ``kl`` of 0.1.  ``ma
   ours      liger_ddp_patch.losses.ChunkedDPOLoss / ChunkedKTOLoss (default token chunk unless told): the one-pass
             path (pairs / rows longer than a token chunk included)
   ours_2p   the same with the one-pass path switched off (``one_pass=False``): the two-pass path, "before"
+  ours_tri  ``ours`` with ``sweep="triton"`` (the softmax and gradient sweep as two Triton kernels; a GPU arm: not
+            in ``ARMS``, and where Triton cannot run it is ``ours`` again, with a warning)
   liger     liger_kernel.chunked_loss.LigerFusedLinearDPOLoss / LigerFusedLinearKTOLoss(compiled=False)
   liger_c   the same with compiled=True (torch.compile: inductor on CPU, Triton on a GPU)
   trl114    (DPO only) TRL 1.14.0's own chunked log-prob path, the one upstream replaced the fused loss with:
@@ -78,12 +80,12 @@ def _with_backward(loss_fn):
 
 def make_step(arm, x, token_chunk_size=None, kind="dpo"):
     h, w, rh, rw, t = x["h"], x["w"], x["rh"], x["rw"], x["t"]
-    if kind == "kto" and arm in ("ours", "ours_2p", "liger", "liger_c"):
+    if kind == "kto" and arm in ("ours", "ours_tri", "ours_2p", "liger", "liger_c"):
         return _kto_step(arm, x, token_chunk_size)
-    if arm in ("ours", "ours_2p"):
+    if arm in ("ours", "ours_tri", "ours_2p"):
         from liger_ddp_patch.losses import ChunkedDPOLoss
 
-        fn = ChunkedDPOLoss(token_chunk_size=token_chunk_size, one_pass=arm == "ours")
+        fn = ChunkedDPOLoss(token_chunk_size=token_chunk_size, one_pass=arm != "ours_2p", sweep=_sweep(arm))
         return _with_backward(lambda: fn(w, h, t, None, rh, rw, None)[0])
     if arm in ("liger", "liger_c"):
         from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
@@ -121,13 +123,19 @@ def make_step(arm, x, token_chunk_size=None, kind="dpo"):
     return _with_backward(loss)
 
 
+def _sweep(arm):
+    """``ours_tri``: the loss's Triton sweep (``sweep="triton"``; where Triton cannot run, eager with a warning)."""
+    return "triton" if arm == "ours_tri" else "eager"
+
+
 def _kto_step(arm, x, token_chunk_size):
     h, w, rh, rw, t = x["h"], x["w"], x["rh"], x["rw"], x["t"]
     labels, kl = kto_labels(t.shape[0], t.device), torch.tensor(KL, device=t.device)
-    if arm in ("ours", "ours_2p"):
+    if arm in ("ours", "ours_tri", "ours_2p"):
         from liger_ddp_patch.losses import ChunkedKTOLoss
 
-        fn = ChunkedKTOLoss(beta=BETA, use_ref_model=True, token_chunk_size=token_chunk_size, one_pass=arm == "ours")
+        fn = ChunkedKTOLoss(beta=BETA, use_ref_model=True, token_chunk_size=token_chunk_size,
+                            one_pass=arm != "ours_2p", sweep=_sweep(arm))  # fmt: skip
     else:
         from liger_kernel.chunked_loss import LigerFusedLinearKTOLoss
 

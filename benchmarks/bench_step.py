@@ -50,7 +50,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TRL_DIRS = Path(os.environ.get("LIGER_DDP_PATCH_TRL_DIRS", ROOT / ".cache" / "trl"))
 ARMS = ("patched", "off", "trl114", "unpatched")
-TRL_OF = {"patched": "1.12.0", "off": "1.12.0", "trl114": "1.14.0", "unpatched": "1.12.0"}
+# beyond the default arms: the package with the loss's Triton sweep (LIGER_DDP_PATCH_LOSS=sweep=triton; a GPU's)
+EXTRA_ARMS = ("patched_triton",)
+TRL_OF = {"patched": "1.12.0", "patched_triton": "1.12.0", "off": "1.12.0", "trl114": "1.14.0", "unpatched": "1.12.0"}
 TRAINERS = ("dpo", "kto")
 DTYPES = ("fp32", "bf16")
 PROMPTS = (0.5, 0.0)
@@ -131,7 +133,7 @@ def _write_profile(prof, wall_s: float, prefix: str, top: int = 25) -> None:
 
 def worker(args) -> None:
     """One configuration under one arm, inside torchrun; rank 0 writes the JSON result to ``--out``."""
-    if args.arm == "patched":
+    if args.arm.startswith("patched"):
         import liger_ddp_patch  # noqa: F401  (before TRL, as a user's script would)
     import importlib
     import traceback
@@ -360,8 +362,10 @@ def launch(arm: str, cfg: tuple, args, assets: Path, out_dir: Path, paths: dict 
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     first = [paths.get(TRL_OF[arm], ""), paths.get("common", ""), str(ROOT), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in first if p)
-    if arm != "patched":
+    if not arm.startswith("patched"):
         env["LIGER_DDP_PATCH_DISABLE"] = "1"  # whatever a .pth or sitecustomize might bring
+    if arm == "patched_triton":
+        env["LIGER_DDP_PATCH_LOSS"] = "sweep=triton"
     worker_cmd = [str(Path(__file__).resolve()), "--worker", "--arm", arm, "--trainer", trainer, "--dtype", dtype,
                   "--prompt", str(prompt), "--length", str(L), "--assets", str(assets), "--out", str(out),
                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
@@ -538,8 +542,8 @@ def main(argv=None) -> int:
     args.prompts = args.prompts or ",".join(map(str, PROMPTS))
     args.lengths = args.lengths or ",".join(map(str, LENGTHS))
     arms = args.arms.split(",")
-    if unknown := set(arms) - set(ARMS):
-        ap.error(f"unknown arm(s) {sorted(unknown)}; arms: {', '.join(ARMS)}")
+    if unknown := set(arms) - set(ARMS + EXTRA_ARMS):
+        ap.error(f"unknown arm(s) {sorted(unknown)}; arms: {', '.join(ARMS + EXTRA_ARMS)}")
     # shortest length first (it seeds the memory estimates of the longer ones); trainers alternate fastest
     configs = [(t, d, float(p), int(n)) for n in args.lengths.split(",") for p in args.prompts.split(",")
                for d in args.dtypes.split(",") for t in args.trainers.split(",")]  # fmt: skip

@@ -5,9 +5,10 @@
     python3 benchmarks/gpu_profile.py --cpu-smoke    # anywhere: the same code paths at tiny sizes on CPU (a test)
 
 (a) The head loss, bf16, gpu_check.py's size (V=151,936, H=3,584, B=16, L=512), DPO and KTO, 0 % and 50 % prompt:
-    ``ours``, ``gemm`` (the GEMMs no exact loss avoids: the floor) and ``mat`` (materialised logits), interleaved;
-    median ms (CUDA events) and ours / floor; then one profiled step of ``ours`` and ``gemm`` per row: GPU kernel time
-    in GEMMs and in everything else, and the top kernels.
+    ``ours``, ``ours_tri`` (``sweep="triton"``: issue #22's "after"), ``gemm`` (the GEMMs no exact loss avoids: the
+    floor) and ``mat`` (materialised logits), interleaved; median ms (CUDA events) and each of ours / floor; then one
+    profiled step of ``ours``, ``ours_tri`` and ``gemm`` per row: GPU kernel time in GEMMs and in everything else,
+    and the top kernels.
 (c) gpu_check.py's whole DDP step (bench_step.py: Qwen2.5-7B's head over 2 of its layers, L=4,096, 50 % prompt, two
     one-process nodes on cuda:0, gloo), DPO and KTO, patched and Liger-off: one extra step of each launch profiled on
     both ranks (``BENCH_STEP_PROFILE``): wall time, GPU kernel time, the top ops by self CPU and by GPU time.
@@ -30,7 +31,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import gpu_check  # noqa: E402  (the wheels, the sizes and the step launches are gpu_check.py's)
 
-ARMS = ("ours", "gemm", "mat")
+ARMS = ("ours", "ours_tri", "gemm", "mat")
+PROFILED = ("ours", "ours_tri", "gemm")
 KINDS = ("dpo", "kto")
 GEMM_NAMES = ("gemm", "nvjet", "xmma", "cutlass", "cublas", "addmm", "mm")  # kernel (or CPU op) names of a GEMM
 
@@ -72,15 +74,15 @@ def part_a(device: str, size: dict, reps: int) -> list[dict]:
             x = _arms.make_inputs(B, L, H, V, frac, torch.bfloat16, device)
             steps = {arm: _arms.make_step(arm, x, kind=kind) for arm in ARMS}
             times = {arm: [] for arm in ARMS}
-            for arm in ARMS:  # warm-up
-                steps[arm]()
+            first = {arm: gpu_check.time_ms(steps[arm], cuda) for arm in ARMS}  # warm-up: ours_tri compiles
             for _ in range(reps):  # interleaved
                 for arm in ARMS:
                     x["h"].grad = x["w"].grad = None
                     times[arm].append(gpu_check.time_ms(steps[arm], cuda))
-            row = dict(kind=kind, prompt=frac, ms={a: sorted(t)[len(t) // 2] for a, t in times.items()})
+            row = dict(kind=kind, prompt=frac, ms={a: sorted(t)[len(t) // 2] for a, t in times.items()}, first_ms=first)
             row["ours_over_floor"] = row["ms"]["ours"] / row["ms"]["gemm"]
-            for arm in ("ours", "gemm"):
+            row["ours_tri_over_floor"] = row["ms"]["ours_tri"] / row["ms"]["gemm"]
+            for arm in PROFILED:
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
                 with profile(activities=acts) as prof:
                     x["h"].grad = x["w"].grad = None
@@ -133,12 +135,16 @@ def part_c(args, paths: dict, out: Path, deadline: float) -> list[dict]:
 def render(rows_a: list[dict], rows_c: list[dict]) -> str:
     lines = ["(a) head loss, bf16: median ms; one profiled step: GEMM / other kernel ms, then ours' top kernels"]
     for r in rows_a:
-        po, pg = r["profile_ours"], r["profile_gemm"]
         ms = "  ".join(f"{a} {v:.1f}" for a, v in r["ms"].items())
-        lines.append(f"  {r['kind']} {r['prompt']:.0%}: {ms}  ours/floor {r['ours_over_floor']:.2f}  | profiled: "
-                     f"ours gemm {po['gemm_ms']:.1f} other {po['other_ms']:.1f}; floor gemm {pg['gemm_ms']:.1f} "
-                     f"other {pg['other_ms']:.1f}")  # fmt: skip
-        lines += [f"      {t['ms']:8.2f} ms x{t['n']:<4} {t['name']}" for t in po["top"][:8]]
+        split = "; ".join(f"{a} gemm {r[f'profile_{a}']['gemm_ms']:.1f} other {r[f'profile_{a}']['other_ms']:.1f}"
+                          for a in PROFILED)  # fmt: skip
+        lines.append(f"  {r['kind']} {r['prompt']:.0%}: {ms}  ours/floor {r['ours_over_floor']:.2f}  ours_tri/floor "
+                     f"{r['ours_tri_over_floor']:.2f}  first call {r['first_ms']['ours_tri']:.0f} ms  | profiled: "
+                     f"{split}")  # fmt: skip
+        for arm in ("ours", "ours_tri"):
+            lines += [
+                f"      {arm:8} {t['ms']:8.2f} ms x{t['n']:<4} {t['name']}" for t in r[f"profile_{arm}"]["top"][:8]
+            ]
     lines.append("(c) whole DDP step, profiled extra step per rank: wall, GPU kernel ms; top ops by GPU and CPU time")
     for r in rows_c:
         lines.append(f"  {r['trainer']} {r['arm']}: times {r.get('times')} {r.get('error') or ''}")

@@ -135,6 +135,26 @@ def test_check_rows_accepts_an_arm_that_ran_out_of_memory():
     assert any("dpo patched/off: no ratio (OutOfMemoryError" in line for line in gpu_check.targets(report["c"]))
 
 
+def test_the_triton_step_arm_is_checked_as_ours_and_reported_beside_patched():
+    """``--step-arms patched,patched_triton,...``: its row must exist and run our loss; targets report its ratio to
+    patched (not as a target)."""
+    report = _passing_report()
+    arms = ("patched", "patched_triton", *gpu_check.STEP_ARMS[1:])
+    tri = [dict(r, arm="patched_triton", s=0.8, patched_time=1.25, patched_mem=1.0) for r in report["c"]
+           if r["arm"] == "patched"]  # fmt: skip
+    c = report["c"] + tri
+
+    def check():
+        return gpu_check.check_rows(report["a"], report["b"], 2, ("c",), c, 2, gpu_check.STEP_TRAINERS, arms)
+
+    assert check() == []
+    assert "dpo patched/patched_triton: time 1.25 (the Triton sweep faster), peak memory 1.00" in gpu_check.targets(c)
+    tri[0]["losses"] = ["LigerFusedLinearDPOLoss"]
+    assert any("not ours" in line for line in check())
+    c.remove(tri[0])
+    assert any("(c) rows" in line for line in check())
+
+
 def _fake_wheel(folder: Path, name: str, version: str) -> Path:
     """A minimal pure-Python wheel (module ``name`` with VALUE = 42)."""
     path = folder / f"{name}-{version}-py3-none-any.whl"
