@@ -28,8 +28,9 @@ def _row_lse(x_ptr, lab_ptr, lse_ptr, tgt_ptr, V, stride, BLOCK: tl.constexpr):
     """One program per row: its log-sum-exp (one exponential per logit, rescaled per tile) and its target logit."""
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride
-    m = -float("inf")
-    s = 0.0
+    # fp32 tensors from the start, not Python floats: the loop carries one type whatever Triton infers for a literal
+    m = tl.max(tl.full([BLOCK], -float("inf"), tl.float32), axis=0)
+    s = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
     for v0 in range(0, V, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
         x = tl.load(base + cols, mask=cols < V, other=-float("inf"))
@@ -50,8 +51,8 @@ def _row_grad(x_ptr, lab_ptr, lse_ptr, tgt_ptr, mult_ptr, out_ptr, V, stride, ou
     x = tl.load(x_ptr + row * stride + cols, mask=keep, other=0.0)
     g = tl.exp(x - tl.load(lse_ptr + row))
     g = tl.where(cols == tl.load(lab_ptr + row), tl.load(tgt_ptr + row), g) * tl.load(mult_ptr + row)
-    rounded = g.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # as torch casts (the interpreter truncates)
-    tl.store(out_ptr + row * out_stride + cols, rounded, mask=keep)
+    # to nearest even on a GPU, as torch casts (Triton's CPU interpreter truncates)
+    tl.store(out_ptr + row * out_stride + cols, g.to(out_ptr.dtype.element_ty), mask=keep)
 
 
 def row_lse(x: torch.Tensor, labels: torch.Tensor):
