@@ -14,6 +14,8 @@ no ``torch.func``: two kernel launches per chunk, which run inside ``Distributed
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -55,6 +57,11 @@ def _row_grad(x_ptr, lab_ptr, lse_ptr, tgt_ptr, mult_ptr, out_ptr, V, stride, ou
     tl.store(out_ptr + row * out_stride + cols, g.to(out_ptr.dtype.element_ty), mask=keep)
 
 
+def _on(x: torch.Tensor):
+    """Triton launches on the *current* CUDA device: make it ``x``'s (a rank may hold tensors on another)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 def row_lse(x: torch.Tensor, labels: torch.Tensor):
     """``(logp, lse)`` (fp32 ``(n,)``) of the targets ``labels`` (``(n,)`` or ``(n, 1)``) in the fp32 ``(n, V)``
     logits ``x`` (rows contiguous), in one read; ``x`` is left as it is."""
@@ -62,7 +69,8 @@ def row_lse(x: torch.Tensor, labels: torch.Tensor):
     lse = torch.empty(n, dtype=torch.float32, device=x.device)
     tgt = torch.empty_like(lse)
     if n:
-        _row_lse[(n,)](x, labels.reshape(n).contiguous(), lse, tgt, V, x.stride(0), BLOCK=BLOCK)
+        with _on(x):
+            _row_lse[(n,)](x, labels.reshape(n).contiguous(), lse, tgt, V, x.stride(0), BLOCK=BLOCK)
     return tgt.sub_(lse), lse
 
 
@@ -72,8 +80,9 @@ def grad_(x: torch.Tensor, labels, lse, logp, mult, out: torch.Tensor) -> torch.
     n, V = x.shape
     if n:
         target = torch.expm1(logp).float().contiguous()
-        _row_grad[(n, triton.cdiv(V, BLOCK))](
-            x, labels.reshape(n).contiguous(), lse.float().contiguous(), target, mult.float().contiguous(), out,
-            V, x.stride(0), out.stride(0), BLOCK=BLOCK,
-        )  # fmt: skip
+        with _on(x):
+            _row_grad[(n, triton.cdiv(V, BLOCK))](
+                x, labels.reshape(n).contiguous(), lse.float().contiguous(), target, mult.float().contiguous(), out,
+                V, x.stride(0), out.stride(0), BLOCK=BLOCK,
+            )  # fmt: skip
     return out
