@@ -347,6 +347,19 @@ def trl_dirs(args) -> dict[str, str]:
     return {"1.12.0": str(TRL_DIRS / "1.12.0") if args.trl112_from_cache else "", "1.14.0": str(TRL_DIRS / "1.14.0")}
 
 
+def arm_env(arm: str, threads: int, paths: dict, environ=None) -> dict:
+    """The environment of an arm's ranks: its TRL first on ``PYTHONPATH``; the package off unless the arm is
+    patched (whatever a .pth or sitecustomize might bring); ``patched_triton``: the loss's Triton sweep."""
+    env = dict(os.environ if environ is None else environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    first = [paths.get(TRL_OF[arm], ""), paths.get("common", ""), str(ROOT), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in first if p)
+    if not arm.startswith("patched"):
+        env["LIGER_DDP_PATCH_DISABLE"] = "1"
+    if arm == "patched_triton":
+        env["LIGER_DDP_PATCH_LOSS"] = "sweep=triton"
+    return env
+
+
 def launch(arm: str, cfg: tuple, args, assets: Path, out_dir: Path, paths: dict | None = None) -> dict:
     """One configuration under one arm in two fresh ranks: rank 0's result, or a row saying why there is none.
 
@@ -359,13 +372,7 @@ def launch(arm: str, cfg: tuple, args, assets: Path, out_dir: Path, paths: dict 
     paths = paths if paths is not None else trl_dirs(args)
     trainer, dtype, prompt, L = cfg
     out = out_dir / f"{arm}-{trainer}-{dtype}-{int(prompt * 100)}-{L}-{time.monotonic_ns()}.json"
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
-    first = [paths.get(TRL_OF[arm], ""), paths.get("common", ""), str(ROOT), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in first if p)
-    if not arm.startswith("patched"):
-        env["LIGER_DDP_PATCH_DISABLE"] = "1"  # whatever a .pth or sitecustomize might bring
-    if arm == "patched_triton":
-        env["LIGER_DDP_PATCH_LOSS"] = "sweep=triton"
+    env = arm_env(arm, args.threads, paths)
     worker_cmd = [str(Path(__file__).resolve()), "--worker", "--arm", arm, "--trainer", trainer, "--dtype", dtype,
                   "--prompt", str(prompt), "--length", str(L), "--assets", str(assets), "--out", str(out),
                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,

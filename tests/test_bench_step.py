@@ -128,3 +128,16 @@ def test_machine_line_says_whether_bf16_gemms_are_native():
     assert _machine.bf16_gemm({"avx512f", "avx512_bf16"}) == "AVX-512 BF16"
     assert _machine.bf16_gemm({"avx2", "fma"}) == "emulated"
     assert "bf16 GEMM" in _machine.describe()
+
+
+def test_each_arm_gets_its_package_setting():
+    """patched: the package on, the loss's defaults; patched_triton: also ``sweep=triton``; the others: the package
+    off (``LIGER_DDP_PATCH_DISABLE=1``), each with its own TRL first on ``PYTHONPATH``."""
+    paths = {"1.12.0": "/trl-1.12", "1.14.0": "/trl-1.14", "common": "/common"}
+    env = {arm: bench_step.arm_env(arm, 1, paths, environ={}) for arm in (*bench_step.ARMS, *bench_step.EXTRA_ARMS)}
+    assert "LIGER_DDP_PATCH_DISABLE" not in env["patched"] and "LIGER_DDP_PATCH_LOSS" not in env["patched"]
+    assert env["patched_triton"]["LIGER_DDP_PATCH_LOSS"] == "sweep=triton"
+    assert "LIGER_DDP_PATCH_DISABLE" not in env["patched_triton"]
+    for arm in ("off", "trl114", "unpatched"):
+        assert env[arm]["LIGER_DDP_PATCH_DISABLE"] == "1" and "LIGER_DDP_PATCH_LOSS" not in env[arm], arm
+    assert env["trl114"]["PYTHONPATH"].startswith("/trl-1.14") and env["off"]["PYTHONPATH"].startswith("/trl-1.12")
