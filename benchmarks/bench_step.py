@@ -138,6 +138,7 @@ def worker(args) -> None:
     import importlib
     import traceback
 
+    import _memory
     import torch
     import torch.distributed as dist
 
@@ -162,7 +163,9 @@ def worker(args) -> None:
         batch = 1 if args.trainer == "dpo" else 2  # DPO: one pair (2 sequences); KTO: 2 rows (its KL needs > 1)
         steps = args.warmup + args.steps
         profile_to = os.environ.get("BENCH_STEP_PROFILE")  # gpu_profile.py: one more step, profiled, not timed
-        steps += bool(profile_to)
+        memory_to = os.environ.get("BENCH_STEP_MEMORY")  # gpu_check.py --memory: its peak by site (CUDA, rank 0)
+        memory_to = memory_to if memory_to and rank == 0 else None
+        steps += bool(os.environ.get("BENCH_STEP_PROFILE") or os.environ.get("BENCH_STEP_MEMORY"))
         dataset = Dataset.from_list(_rows(args.trainer, args.length, args.prompt, batch * steps * world, rank))
         cfg = config_cls(
             output_dir=tempfile.mkdtemp(prefix=f"bench-step-{args.trainer}-"),
@@ -199,14 +202,22 @@ def worker(args) -> None:
 
             def on_step_begin(self, *_a, **_k):
                 sync()
-                if profile_to and len(times) == args.warmup + args.steps:
-                    state["prof"] = _start_profile(cuda)
+                if len(times) == args.warmup + args.steps:  # the extra step: watched, not timed
+                    state["extra"] = True
+                    if memory_to:
+                        state["mem"] = _memory.record(cuda)
+                    if profile_to:
+                        state["prof"] = _start_profile(cuda)
                 state["t0"], state["c0"] = time.perf_counter(), time.process_time()
 
             def on_step_end(self, *_a, **_k):
                 sync()
-                if "prof" in state:
-                    _write_profile(state.pop("prof"), time.perf_counter() - state["t0"], profile_to)
+                if state.pop("extra", False):
+                    if profile_to:
+                        _write_profile(state.pop("prof"), time.perf_counter() - state["t0"], profile_to)
+                    if memory_to:
+                        mem = _memory.summary(state.pop("mem", None), cuda)
+                        Path(f"{memory_to}.rank{rank}.json").write_text(json.dumps(mem))
                     return
                 times.append(time.perf_counter() - state["t0"])
                 cpu.append(time.process_time() - state["c0"])

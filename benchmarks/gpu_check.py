@@ -330,7 +330,17 @@ def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
                 row["error"] = "not run: the time budget was spent"
             else:
                 opts.timeout = min(args.timeout_c, left)
-                res = bench_step.launch(arm, (trainer, "bf16", STEP_PROMPT, L), opts, assets, work, trl)
+                prefix = out / f"memory-{trainer}-{arm}"
+                if args.memory:  # one more step, not timed: rank 0's peak by site (_memory.py)
+                    os.environ["BENCH_STEP_MEMORY"] = str(prefix)
+                try:
+                    res = bench_step.launch(arm, (trainer, "bf16", STEP_PROMPT, L), opts, assets, work, trl)
+                finally:
+                    os.environ.pop("BENCH_STEP_MEMORY", None)
+                memory = Path(f"{prefix}.rank0.json")
+                if memory.exists():
+                    row["memory"] = json.loads(memory.read_text())
+                    memory.unlink()
                 res["warmup"] = 1
                 row.update(bench_step.summarise(arm, [res]), wall_s=round(res["wall_s"], 1), run=res)
                 row["times"] = [rank["times"] for rank in res.get("ranks", [])]  # per rank: warm-up, measured
@@ -462,6 +472,8 @@ def targets(rows_c: list[dict]) -> list[str]:
 
 
 def render_c(info: dict, rows_c: list[dict]) -> list[str]:
+    import _memory
+
     c = info.get("step", {})
     lines = [
         "",
@@ -482,6 +494,8 @@ def render_c(info: dict, rows_c: list[dict]) -> list[str]:
             f"{head} {r['s']:>8.3f} {r['tok_s']:>9.0f} {r['peak_gib']:>9.2f} {r.get('patched_time', nan):>17.2f}"
             f" {r.get('patched_mem', nan):>16.2f}  {' '.join(r.get('losses', [])) or '-'}"
         )
+        if "memory" in r:
+            lines += _memory.render(r["memory"])
     return [*lines, "targets (reported, not checked):", *(f"  {t}" for t in targets(rows_c))]
 
 
@@ -537,6 +551,11 @@ def main(argv=None) -> int:
     ap.add_argument("--step-arms", default=",".join(STEP_ARMS),
                     help="(c): arms in launch order, patched first (patched_triton: the Triton sweep)")  # fmt: skip
     ap.add_argument("--step-length", type=int, default=None, help="(c): sequence length (GPU 4096, CPU smoke 32)")
+    ap.add_argument(
+        "--memory",
+        action="store_true",
+        help="(c): one more step per launch, not timed: what is live at rank 0's peak, by site (CUDA)",
+    )
     ap.add_argument("--ref-same-dtype", action="store_true",
                     help="(c): pass a bf16 reference model (default: TRL builds it, in float32)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=None, help="timed steps per arm (default 5 on GPU, 2 on CPU)")

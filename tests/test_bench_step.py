@@ -141,3 +141,39 @@ def test_each_arm_gets_its_package_setting():
     for arm in ("off", "trl114", "unpatched"):
         assert env[arm]["LIGER_DDP_PATCH_DISABLE"] == "1" and "LIGER_DDP_PATCH_LOSS" not in env[arm], arm
     assert env["trl114"]["PYTHONPATH"].startswith("/trl-1.14") and env["off"]["PYTHONPATH"].startswith("/trl-1.12")
+
+
+def _frames(*names):
+    return [dict(filename=f, line=1, name=n) for f, n in names]
+
+
+def test_memory_replay_finds_the_peak_and_who_holds_it():
+    """``_memory.peak_sites`` (gpu_check ``--memory``): the allocator's trace replayed from the bytes live before it;
+    a free of a block the trace never saw allocated leaves that base; live blocks at the peak summed by the innermost
+    frame in a library of the step, else the innermost frame, else "no Python frame"."""
+    import _memory
+
+    loss = _frames(("/x/torch/nn/functional.py", "linear"), ("/r/liger_ddp_patch/losses/_onepass.py", "__init__"),
+                   ("/s/trl/trainer/dpo_trainer.py", "compute_loss"))  # fmt: skip
+    trl = _frames(("/s/site-packages/trl/trainer/dpo_trainer.py", "concatenated_forward"))
+    events = [
+        dict(action="alloc", addr=1, size=50, frames=loss),
+        dict(action="alloc", addr=2, size=30, frames=trl),
+        dict(action="free_requested", addr=9, size=20, frames=[]),  # not a replay event: free_completed is
+        dict(action="free_completed", addr=9, size=20, frames=[]),  # a block from before the trace
+        dict(action="alloc", addr=3, size=40, frames=[]),  # the peak: 100 + 50 + 30 - 20 + 40
+        dict(action="free_completed", addr=1, size=50, frames=loss),
+        dict(action="alloc", addr=4, size=45, frames=_frames(("/x/torch/optim/sgd.py", "step"))),
+    ]
+    got = _memory.peak_sites(events, base=100)
+    assert got["peak"] == 200 and got["at_peak"] == []
+    assert {s["site"]: s["bytes"] for s in got["sites"]} == {
+        _memory.BEFORE: 80,
+        "liger_ddp_patch/losses/_onepass.py:__init__": 50,
+        _memory.NO_FRAME: 40,
+        "trl/trainer/dpo_trainer.py:concatenated_forward": 30,
+    }
+    assert _memory.site(_frames(("/x/torch/optim/sgd.py", "step"))) == "optim/sgd.py:step"
+    lines = _memory.render(dict(got, max_allocated=200))
+    assert "replayed peak" in lines[0] and any("_onepass.py:__init__" in line for line in lines)
+    assert _memory.summary(None, cuda=False)["error"].startswith("not recorded")

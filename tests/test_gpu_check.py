@@ -23,12 +23,12 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     """(a) every arm runs, ours takes the one-pass path (ours_long too, with pairs longer than a chunk), all
     within 1e-2 of the fp32 truth; (b) the 2-node DDP probe shows the bug and the fix with all 25 parameters counted.
     The row checks are gpu_check.check_rows, the ones the script's exit status comes from; a stale result in --out
-    is deleted first."""
+    is deleted first; ``--memory``'s extra step is neither timed nor fatal where it cannot record."""
     (tmp_path / "gpu_check.json").write_text(json.dumps(dict(info={}, a=[], b=[])))
     (tmp_path / "ddp-1.12.0-patched").mkdir()
     (tmp_path / "ddp-1.12.0-patched" / "stale-from-an-earlier-run").write_text("{}")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path), "--memory"],
         capture_output=True,
         text=True,
         timeout=1500,
@@ -38,6 +38,8 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     assert "(a) DPO head loss" in proc.stdout and "(b) DDP" in proc.stdout, proc.stdout
     assert "(c) one whole DDP training step" in proc.stdout and "kto     patched" in proc.stdout, proc.stdout
     assert "all rows pass" in proc.stdout, proc.stdout[-3000:]
+    # --memory: one more step per launch, not timed (the rows above still count 1 + 2 steps); CUDA only
+    assert "memory: not recorded: the allocator's trace is CUDA only" in proc.stdout, proc.stdout[-3000:]
     assert not (tmp_path / "ddp-1.12.0-patched" / "stale-from-an-earlier-run").exists()
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert check_rows_strict(report) == []
