@@ -33,14 +33,16 @@ def read(out: Path, procs: list[subprocess.CompletedProcess]) -> dict:
     return json.loads(out.read_text())["results"][0]
 
 
-@pytest.mark.parametrize("injected", [False, True], ids=["control", "sitecustomize"])
+@pytest.mark.parametrize("injected", [False, True, "run"], ids=["control", "sitecustomize", "liger-ddp-patch-run"])
 def test_accelerate_launch(tiny_small, tmp_path, injected):
-    """`accelerate launch` on 2 CPU processes; the package arrives only through the sitecustomize example."""
+    """`accelerate launch` on 2 CPU processes; the package arrives only through the sitecustomize example, or only
+    through `liger-ddp-patch run -- accelerate launch ...` (the README's form)."""
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+    prefix = [sys.executable, "-m", "liger_ddp_patch", "run", "--"] if injected == "run" else []
+    cmd = [*prefix, sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            *probe_args(tiny_small, out)]  # fmt: skip
-    env = env_with([EXAMPLE] if injected else [])
+    env = env_with([EXAMPLE] if injected is True else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     result = read(out, [proc])
     assert result["params"] == PARAMS, result
