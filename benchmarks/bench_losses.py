@@ -14,7 +14,9 @@ path), ours_2p (the same with the one-pass path off: the two-pass path, "before"
 Liger fused (compiled=False and compiled=True:
 inductor works on this CPU), TRL 1.14's chunked log-prob path (``_ChunkedLogProbFunction``, trl/trainer/utils.py
 of an unpacked 1.14.0 wheel in ``$LIGER_DDP_PATCH_TRL_DIRS/1.14.0``, default .cache/trl/1.14.0), materialised
-logits and the GEMM-only floor (TRL 1.14 is a DPO arm only).
+logits and the GEMM-only floor (TRL 1.14 is a DPO arm only).  ``--prev DIR`` adds the arm ``prev``: ours from an
+earlier checkout of the package (``git worktree add DIR <commit>``), so that a change's before and after come from
+one interleaved run (``ours/prev``, and both against the floor in the last table).
 
 Fairness: every measurement is a fresh process (``--worker``) doing one warm-up step (which also compiles) and then
 ``--reps`` timed steps (median); memory is the peak RSS over the timed steps (sampled every 2 ms) minus the RSS once
@@ -45,8 +47,8 @@ DTYPES = ["float32", "bfloat16"]
 FRACS = [0.5, 0.0]
 KINDS = ["dpo", "kto"]
 ARMS = ["ours", "ours_2p", "liger", "liger_c", "trl114", "mat", "gemm"]
-PEERS = ["ours_2p", "liger", "liger_c", "trl114", "mat", "gemm"]
-MEM_PEERS = ["ours_2p", "liger", "liger_c", "trl114", "mat"]
+PEERS = ["prev", "ours_2p", "liger", "liger_c", "trl114", "mat", "gemm"]
+MEM_PEERS = ["prev", "ours_2p", "liger", "liger_c", "trl114", "mat"]
 DPO_ONLY = {"trl114"}
 TRL_DIRS = os.environ.get("LIGER_DDP_PATCH_TRL_DIRS", os.path.join(ROOT, ".cache", "trl"))
 
@@ -77,18 +79,22 @@ class PeakSampler:
         self.peak = max(self.peak, _rss_bytes())
 
 
-def worker(arm, dtype, B, L, frac, reps, token_chunk_size, threads, kind):
+def worker(arm, dtype, B, L, frac, reps, token_chunk_size, threads, kind, prev=None):
     import gc
 
     import torch
 
     sys.path[:0] = [HERE, ROOT]
+    if arm == "prev":  # the earlier checkout's package shadows this one
+        sys.path.insert(0, os.path.abspath(prev))
     import _arms
+
+    import liger_ddp_patch
 
     if threads:
         torch.set_num_threads(threads)
     x = _arms.make_inputs(B, L, H, V, frac, getattr(torch, dtype))
-    step = _arms.make_step(arm, x, token_chunk_size, kind=kind)
+    step = _arms.make_step("ours" if arm == "prev" else arm, x, token_chunk_size, kind=kind)
     gc.collect()
     base = _rss_bytes()
     step()  # warm-up (and compile, for liger_c)
@@ -114,6 +120,7 @@ def worker(arm, dtype, B, L, frac, reps, token_chunk_size, threads, kind):
                 tokens=int((x["t"] != -100).sum()),
                 grad_fn=getattr(step, "grad_fn", None),
                 threads=torch.get_num_threads(),
+                package=os.path.dirname(liger_ddp_patch.__file__),
             )
         )
     )
@@ -141,6 +148,8 @@ def run_worker(arm, cfg, args):
         cmd += ["--token-chunk-size", str(args.token_chunk_size)]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    if arm == "prev":
+        cmd += ["--prev", args.prev]
     env = dict(os.environ)
     if arm == "trl114":
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(TRL_DIRS, "1.14.0"), env.get("PYTHONPATH")) if p)
@@ -231,6 +240,23 @@ def readme_table(configs, rounds):
     return "\n".join(lines)
 
 
+def floor_table(configs, rounds):
+    """Time over the GEMM floor (medians of per-round ratios), ours and, where it ran, ``prev``: a change's before
+    and after from one run."""
+    lines = ["| loss | dtype | prompt | B x L | ours/GEMM floor | prev/GEMM floor | ours/prev |", "|" + "---|" * 7]
+    for cfg in configs:
+        kind, dtype, B, L, frac = cfg
+        runs = [r.get(cfg, {}) for r in rounds]
+
+        def over(a, b):
+            return _med([run[a]["time"] / run[b]["time"] for run in runs if run.get(a) and run.get(b)])
+
+        row = [kind.upper(), {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype), f"{frac:.0%}", f"{B} x {L}"]
+        row += [_fmt(over(a, b), ".2f") for a, b in (("ours", "gemm"), ("prev", "gemm"), ("ours", "prev"))]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", nargs=5, metavar=("ARM", "DTYPE", "B", "L", "FRAC"))
@@ -246,10 +272,13 @@ def main():
     ap.add_argument("--token-chunk-size", type=int, default=None)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", help="write every measurement here")
+    ap.add_argument("--prev", metavar="DIR", help="an earlier checkout of the package: adds the arm 'prev'")
     args = ap.parse_args()
     if args.worker:
         arm, dtype, B, L, frac = args.worker
-        worker(arm, dtype, int(B), int(L), float(frac), args.reps, args.token_chunk_size, args.threads, args.kind)
+        worker(
+            arm, dtype, int(B), int(L), float(frac), args.reps, args.token_chunk_size, args.threads, args.kind, args.prev
+        )
         return
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     fracs = [float(f) for f in args.prompt_fracs.split(",")]
@@ -259,6 +288,10 @@ def main():
         (k, d, B, L, f) for k in args.kinds.split(",") for d in args.dtypes.split(",") for f in fracs for B, L in sizes
     ]
     arms = args.arms.split(",")
+    if args.prev and "prev" not in arms:
+        arms.insert(1, "prev")
+    elif "prev" in arms and not args.prev:
+        ap.error("the arm 'prev' needs --prev DIR (an earlier checkout of the package)")
     import _machine
     import torch
 
@@ -279,6 +312,9 @@ def main():
     print(table(configs, rounds))
     print()
     print(readme_table(configs, rounds))
+    if "gemm" in arms:
+        print()
+        print(floor_table(configs, rounds))
     print(f"(total wall time {time.time() - started:.0f} s)")
 
 
