@@ -248,7 +248,7 @@ def floor_table(configs, rounds):
         kind, dtype, B, L, frac = cfg
         runs = [r.get(cfg, {}) for r in rounds]
 
-        def over(a, b):
+        def over(a, b, runs=runs):
             return _med([run[a]["time"] / run[b]["time"] for run in runs if run.get(a) and run.get(b)])
 
         row = [kind.upper(), {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype), f"{frac:.0%}", f"{B} x {L}"]
@@ -277,7 +277,16 @@ def main():
     if args.worker:
         arm, dtype, B, L, frac = args.worker
         worker(
-            arm, dtype, int(B), int(L), float(frac), args.reps, args.token_chunk_size, args.threads, args.kind, args.prev
+            arm,
+            dtype,
+            int(B),
+            int(L),
+            float(frac),
+            args.reps,
+            args.token_chunk_size,
+            args.threads,
+            args.kind,
+            args.prev,
         )
         return
     sizes = [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]

@@ -285,6 +285,32 @@ def test_fp32_against_an_fp64_truth(token_chunk_size, one_pass):
         assert err <= 1e-5 * scale, f"{name}: {err / scale:.2e} of the scale from the fp64 truth"
 
 
+@pytest.mark.parametrize("probs", [True, False], ids=["probs", "logp-only"])
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-fused", "max-exp-sum"])
+def test_softmax_kernel_against_fp64_where_target_probabilities_underflow(monkeypatch, probs, fused):
+    """``softmax_``, the sweep under both paths, both branches: logits ~ N(0, 60^2), so that most targets'
+    probabilities are below fp32's smallest number (``exp(-104)``).  The CPU branch (fused ``_softmax``, issue #22)
+    takes the log-sum-exp from the row's largest probability (``>= 1 / V``), never from the target's: target
+    log-probs and log-sum-exps within 1e-6 of the logits' scale from fp64, the probabilities (times the returned
+    row scale) within 1e-6.  Broken on purpose, ``lse = tgt - log(p[target])`` gives -inf here, and a log-prob
+    scaled by 1.01 is off by ~4e-3 of the scale."""
+    monkeypatch.setattr(_kernels, "fused_log_softmax", lambda device: fused)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1000, generator=g) * 60
+    lab = torch.randint(0, 1000, (64, 1), generator=g)
+    truth = torch.log_softmax(x.double(), 1)
+    assert (truth.gather(1, lab) < -104).float().mean() > 0.5  # the case under test: most targets underflow
+
+    logits = x.clone()
+    logp, lse, k = _kernels.softmax_(logits, lab, probs=probs)
+    scale = x.abs().max().item()
+    assert _max_err(logp, truth.gather(1, lab).squeeze(1)) <= 1e-6 * scale
+    assert _max_err(lse, torch.logsumexp(x.double(), 1)) <= 1e-6 * scale
+    if probs:
+        p = logits if k is None else logits * k.unsqueeze(1)
+        assert _max_err(p, truth.exp()) <= 1e-6
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
 @pytest.mark.parametrize("block", [7, 64, 300], ids=lambda b: f"vblock{b}")
 @pytest.mark.parametrize(

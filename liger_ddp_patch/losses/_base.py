@@ -14,15 +14,29 @@ two-pass path, and :attr:`ChunkedLinearLoss.last_path` says why.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import _kernels, _onepass, _twopass
 from ._kernels import Plan, needs_grad, resolve_token_chunk_size
 
-__all__ = ["ChunkedLinearLoss", "GroupedLoss"]
+__all__ = ["ChunkedLinearLoss", "GroupedLoss", "one_workspace"]
 
 ONE_PASS, TWO_PASS, NO_GRAD = "one-pass", "two-pass", "forward only"
 NOT_A_SUM = "the loss is not a sum over groups (batch_loss): one pass would be wrong"
+
+
+def one_workspace(forward):
+    """For a loss's ``forward``: its passes over the head (reference, policy) share one set of ``(chunk, V)``
+    buffers (:func:`_kernels.workspace`), freed when it returns."""
+
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        with _kernels.workspace():
+            return forward(*args, **kwargs)
+
+    return wrapped
 
 
 class GroupedLoss:

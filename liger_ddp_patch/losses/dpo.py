@@ -54,7 +54,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ._base import ChunkedLinearLoss
+from ._base import ChunkedLinearLoss, one_workspace
 from ._kernels import check_reference, row_logit_sums
 
 __all__ = ["ChunkedDPOLoss", "dpo_preference_loss", "SUPPORTED_DPO_LOSS_TYPES"]
@@ -210,6 +210,7 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
             f"token_chunk_size={self.token_chunk_size}, one_pass={self.one_pass}, sweep={self.sweep!r}"
         )
 
+    @one_workspace
     def forward(
         self,
         lin_weight: torch.Tensor,

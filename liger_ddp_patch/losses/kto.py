@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._base import ChunkedLinearLoss
+from ._base import ChunkedLinearLoss, one_workspace
 from ._kernels import check_reference, row_logit_sums
 
 __all__ = ["ChunkedKTOLoss", "kto_preference_loss"]
@@ -101,6 +101,7 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
             f"one_pass={self.one_pass}, sweep={self.sweep!r}"
         )
 
+    @one_workspace
     def forward(
         self,
         _input: torch.Tensor,
