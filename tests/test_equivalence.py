@@ -125,7 +125,8 @@ def test_evaluation_control_without_the_package_differs(runs, trainer):
 
 
 def test_bf16_stays_in_sync(tiny_small):
-    """A bf16 model (what GPU users load) under bf16=True: both chunked losses really get bf16 tensors, DDP syncs.
+    """A bf16 model (what GPU users load) under bf16=True: both chunked losses really get bf16 tensors (and sweep
+    them on row tiles), DDP syncs.
 
     Control: with fp32 weights and bf16=True alone, TRL hands the losses fp32 tensors with autocast off, so the bf16
     branch of the losses would never run; the probe's record of what each loss saw shows which one ran.
@@ -139,4 +140,6 @@ def test_bf16_stays_in_sync(tiny_small):
     mixed_runs = {r["trainer"]: r for r in mixed["results"]}
     for trainer, loss in (("dpo", "ChunkedDPOLoss"), ("kto", "ChunkedKTOLoss")):
         assert "torch.bfloat16" in runs[trainer]["loss_saw"][loss], runs[trainer]["loss_saw"]
+        # the half-precision CPU sweep on fp32 row tiles (losses/_tiles.py) ran inside DDP's forward
+        assert runs[trainer]["loss_saw"][f"{loss} sweep"] == "tiles", runs[trainer]["loss_saw"]
         assert mixed_runs[trainer]["loss_saw"][loss] == ["autocast=False", "torch.float32"], mixed_runs[trainer]

@@ -213,8 +213,11 @@ def test_default_chunk_is_a_memory_budget_per_device():
     r = _kernels.resolve_token_chunk_size
     assert r(None, 32_000) == 1048  # CPU, fp32: 128 MiB of fp32 logits, as before
     assert r(None, 32_000, device="cpu", compute_dtype=torch.float32) == 1048
-    # CPU bf16 without an fp32-output GEMM: fp32 logits + their bf16 GEMM output share the same 128 MiB
-    assert r(None, 32_000, device="cpu", compute_dtype=torch.bfloat16) == (128 << 20) // (32_000 * 6)
+    # CPU bf16 (no fp32-output GEMM): the bf16 GEMM output is the only block, swept on an 8 MiB fp32 tile taken
+    # from the same 128 MiB (issue #22; before: fp32 logits + the bf16 output, (128 << 20) // (32_000 * 6) = 699)
+    assert r(None, 32_000, device="cpu", compute_dtype=torch.bfloat16) == (120 << 20) // (32_000 * 2) == 1966
+    # with a bias the block sweep runs (the bias gradient sums the fp32 block): fp32 logits + the bf16 output
+    assert r(None, 32_000, device="cpu", compute_dtype=torch.bfloat16, tiles=False) == (128 << 20) // (32_000 * 6)
     big = r(None, 151_936, device="cuda", compute_dtype=torch.bfloat16)
     assert 1024 <= big <= 2048, big  # 1 GiB on an accelerator: GEMMs of >1000 rows at Qwen's vocabulary
     assert r(7, 151_936, device="cuda") == 7  # token_chunk_size still overrides

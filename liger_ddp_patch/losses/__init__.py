@@ -8,6 +8,9 @@ those below it (as Liger's ``chunked_loss/``):
 * ``_base.py`` -- the base class: a loss is a sum of per-group terms, and which path runs;
 * ``_onepass.py`` (gradients formed in the forward) and ``_twopass.py`` (the backward recomputes the logits);
 * ``_kernels.py`` -- the shared head kernels: the chunk/dtype plan, logits buffers, softmax, fp32 accumulation;
+* ``_tiles.py`` -- the softmax and gradient sweep of a half-precision CPU chunk on fp32 row tiles (the default
+  there: the half block is then the only ``(chunk, V)`` block);
+* ``_workspace.py`` -- one loss call's scratch buffers, shared by its passes (no page faults twice);
 * ``_triton.py`` -- ``sweep="triton"`` only: the softmax and gradient sweep of a chunk as two Triton kernels
   (imported on first use; the only module that imports anything beyond torch).
 """

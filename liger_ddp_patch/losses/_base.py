@@ -20,6 +20,7 @@ import torch
 
 from . import _kernels, _onepass, _twopass
 from ._kernels import Plan, needs_grad, resolve_token_chunk_size
+from ._workspace import workspace
 
 __all__ = ["ChunkedLinearLoss", "GroupedLoss", "one_workspace"]
 
@@ -29,11 +30,11 @@ NOT_A_SUM = "the loss is not a sum over groups (batch_loss): one pass would be w
 
 def one_workspace(forward):
     """For a loss's ``forward``: its passes over the head (reference, policy) share one set of ``(chunk, V)``
-    buffers (:func:`_kernels.workspace`), freed when it returns."""
+    buffers (``_workspace.workspace``), freed when it returns."""
 
     @functools.wraps(forward)
     def wrapped(*args, **kwargs):
-        with _kernels.workspace():
+        with workspace():
             return forward(*args, **kwargs)
 
     return wrapped

@@ -1,11 +1,12 @@
-"""The shared head kernels: the bottom layer of the losses (imports nothing of the package).
+"""The shared head kernels: the bottom layer of the losses (imports only ``_tiles`` and ``_workspace``).
 
 What both paths (``_twopass``, ``_onepass``) need: the :class:`Plan` of a call (token chunk, compute dtype,
 memory budget), the ``(chunk, V)`` logits buffers, the in-place softmax, the GEMM that accumulates in fp32, the
 selection of the tokens that carry a loss, and the GEMM-free logit sums the metrics report.
 
 Memory: one budget (:func:`logits_budget_bytes`: 128 MiB on CPU, 1 GiB on an accelerator) bounds every
-temporary: the default token chunk is ``budget / (V * bytes per logit)``, and in half precision the two-pass
+temporary: the default token chunk is ``budget / (V * bytes per logit)`` (on CPU in half precision the half block
+alone, its sweep on an fp32 tile of ``_tiles.TILE_BYTES`` taken from the budget), and in half precision the two-pass
 backward walks the vocabulary in blocks of at most ``V / 4`` rows and ``budget / (4 H)`` rows
 (:func:`vocab_block_rows`), so that the fp32 accumulator of the weight gradient is one ``(block, H)`` tile.
 Where torch can multiply half-precision matrices into an fp32 output (``torch.addmm(..., out_dtype=torch.float32)``:
@@ -23,7 +24,6 @@ inputs, :attr:`Plan.mdtype`).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import importlib.util
 import os
@@ -31,6 +31,9 @@ import warnings
 from typing import NamedTuple
 
 import torch
+
+from . import _tiles
+from ._workspace import scratch
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_ELEMENTS",
@@ -52,8 +55,8 @@ __all__ = [
     "select_tokens",
     "sequence_sums",
     "softmax_",
-    "workspace",
     "sweep_of",
+    "tiles_sweep",
     "vocab_block_rows",
 ]
 
@@ -124,24 +127,35 @@ def math_dtype(cdtype: torch.dtype) -> torch.dtype:
     return torch.float64 if cdtype == torch.float64 else torch.float32
 
 
+def tiles_sweep(device, cdtype: torch.dtype, bias=None) -> bool:
+    """Whether a chunk's sweep runs on row tiles of its half-precision block (``_tiles``): on CPU (the GEMM writes
+    the half dtype), in half precision, without a bias (whose gradient is summed from the fp32 block)."""
+    kind = "cpu" if device is None else torch.device(device).type
+    return kind == "cpu" and cdtype in (torch.float16, torch.bfloat16) and bias is None
+
+
 def resolve_token_chunk_size(
     token_chunk_size: int | None,
     vocab_size: int,
     device=None,
     compute_dtype: torch.dtype = torch.float32,
     budget_bytes: int | None = None,
+    tiles: bool | None = None,
 ) -> int:
     """Number of (non-ignored) tokens projected at once.
 
     ``None`` fits one chunk's logits into :func:`logits_budget_bytes` of ``device``: ``budget // (V * b)``
     tokens, clipped to ``[1, 8192]``, with ``b`` = 4 bytes per fp32 logit, plus the half-precision GEMM output
-    when the GEMM cannot write fp32 itself.  CPU fp32 at ``V = 32000``: 1048 tokens; an accelerator in bf16 at
-    ``V = 151,936``: 1766 tokens (1177 without an fp32-output GEMM).
+    when the GEMM cannot write fp32 itself; with ``tiles`` (default: :func:`tiles_sweep` without a bias) ``b`` is
+    the half logit alone and the fp32 tile comes off the budget.  At ``V = 32000`` on CPU: 1048 tokens in fp32,
+    1966 in bf16; an accelerator in bf16 at ``V = 151,936``: 1766 tokens (1177 without an fp32-output GEMM).
     """
     if token_chunk_size is None:
         budget = logits_budget_bytes(device) if budget_bytes is None else int(budget_bytes)
         per_logit = math_dtype(compute_dtype).itemsize
-        if compute_dtype.itemsize < per_logit and not fp32_out(device, compute_dtype):
+        if tiles if tiles is not None else tiles_sweep(device, compute_dtype):
+            per_logit, budget = compute_dtype.itemsize, max(0, budget - _tiles.TILE_BYTES)
+        elif compute_dtype.itemsize < per_logit and not fp32_out(device, compute_dtype):
             per_logit += compute_dtype.itemsize
         return max(1, min(MAX_DEFAULT_CHUNK, budget // (per_logit * max(1, int(vocab_size)))))
     if isinstance(token_chunk_size, bool) or int(token_chunk_size) != token_chunk_size or token_chunk_size < 1:
@@ -157,20 +171,22 @@ def vocab_block_rows(vocab_size: int, hidden_size: int, budget_bytes: int) -> in
 SWEEPS = ("eager", "triton")
 
 
-def sweep_of(sweep: str, device: torch.device, mdtype: torch.dtype, bias) -> str:
-    """The sweep over each ``(chunk, V)`` block a call runs: ``"triton"`` (``_triton.py``) or ``"eager"``, the
-    latter with the reason when ``"triton"`` was asked for and cannot run here (warned once per reason)."""
+def sweep_of(sweep: str, device: torch.device, cdtype: torch.dtype, bias) -> str:
+    """The sweep over each ``(chunk, V)`` block a call runs: ``"triton"`` (``_triton.py``), else ``"tiles"``
+    (``_tiles.py``, :func:`tiles_sweep`) or ``"eager"``, with the reason when ``"triton"`` was asked for and cannot
+    run here (warned once per reason)."""
+    default = "tiles" if tiles_sweep(device, cdtype, bias) else "eager"
     if sweep == "eager":
-        return "eager"
+        return default
     why = _triton_unavailable(device.type)
-    if why is None and mdtype != torch.float32:
+    if why is None and cdtype == torch.float64:
         why = "fp64 inputs"
     if why is None and bias is not None:
         why = "an LM head with a bias"
     if why is None:
         return "triton"
-    _warn_once(f"sweep='triton' asked for, but {why}: the eager sweep runs instead")
-    return f"eager (triton: {why})"
+    _warn_once(f"sweep='triton' asked for, but {why}: the {default} sweep runs instead")
+    return f"{default} (triton: {why})"
 
 
 @functools.cache
@@ -190,7 +206,8 @@ def _warn_once(message: str) -> None:
 class Plan(NamedTuple):
     """How one call runs: ``chunk`` tokens per GEMM, the GEMM dtype ``cdtype``, the accumulation dtype ``mdtype``,
     the per-chunk memory ``budget`` (bytes), ``fast`` (the GEMM writes fp32 from half inputs) and ``sweep``
-    (:func:`sweep_of`: ``"triton"`` when the block's softmax and gradient run as the kernels of ``_triton.py``)."""
+    (:func:`sweep_of`: ``"triton"`` or ``"tiles"`` when the block's softmax and gradient run as the row sweeps of
+    ``_triton.py`` or ``_tiles.py``)."""
 
     chunk: int
     cdtype: torch.dtype
@@ -203,14 +220,20 @@ class Plan(NamedTuple):
     def of(cls, hidden, weight, token_chunk_size: int | None, sweep: str = "eager", bias=None) -> Plan:
         cdtype = compute_dtype(hidden, weight)
         budget = logits_budget_bytes(hidden.device)
-        chunk = resolve_token_chunk_size(token_chunk_size, weight.shape[0], hidden.device, cdtype, budget)
-        mdtype = math_dtype(cdtype)
-        how = sweep_of(sweep, hidden.device, mdtype, bias)
-        return cls(chunk, cdtype, mdtype, budget, fp32_out(hidden.device, cdtype), how)
+        how = sweep_of(sweep, hidden.device, cdtype, bias)
+        tiles = how.startswith("tiles")
+        chunk = resolve_token_chunk_size(token_chunk_size, weight.shape[0], hidden.device, cdtype, budget, tiles)
+        return cls(chunk, cdtype, math_dtype(cdtype), budget, fp32_out(hidden.device, cdtype), how)
 
     @property
-    def triton(self) -> bool:
-        return self.sweep == "triton"
+    def rows(self):
+        """The module whose ``row_lse`` / ``grad_`` sweep each half block (``_triton``, ``_tiles``), or None: the
+        block is converted to fp32 and swept with :func:`softmax_` (imported on first use: Triton only if asked)."""
+        if self.sweep == "triton":
+            from . import _triton
+
+            return _triton
+        return _tiles if self.sweep.startswith("tiles") else None
 
     def block_rows(self, weight: torch.Tensor) -> int:
         """Vocabulary rows per block where the weight gradient needs an fp32 tile (half precision, or a weight of
@@ -250,47 +273,20 @@ def _logits(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, fast: b
     return logits
 
 
-_WORKSPACE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("liger_ddp_patch_workspace", default=None)
-
-
-@contextlib.contextmanager
-def workspace():
-    """One loss call: its passes over the head (the reference's, then the policy's) take their ``(chunk, V)``
-    buffers from here, one after the other.  A fresh CPU buffer of that size costs its page faults on first touch
-    (glibc maps and unmaps blocks this large): at V=32,000 in bf16 ~25 ms per pass, 4 % of a step (issue #22).
-    Per thread and per call (a context variable, freed on exit): nothing is held between calls."""
-    token = _WORKSPACE.set({})
-    try:
-        yield
-    finally:
-        _WORKSPACE.reset(token)
-
-
-def scratch(slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A flat tensor of ``numel`` elements: the open :func:`workspace`'s ``slot`` (reused by the next pass of the
-    call when its size is within 1/8 of the last one's), else a fresh one.  A slot serves one live buffer at a time."""
-    ws = _WORKSPACE.get()
-    if ws is None:
-        return torch.empty(numel, dtype=dtype, device=device)
-    key = (slot, dtype, device)
-    buf = ws.get(key)
-    if buf is None or not numel <= buf.numel() <= numel + numel // 8:  # never hold much more than a pass needs
-        ws[key] = None  # let the old one go first
-        buf = ws[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buf[:numel]
-
-
 class LogitsBuffers:
-    """The ``(chunk, V)`` buffers of one pass, reused by every chunk where that pays (and by the passes of one
-    :func:`workspace`): on CPU a fresh multi-MB tensor per chunk costs its page faults again (glibc hands large
+    """The ``(chunk, V)`` buffers of one pass, reused by every chunk where that pays (and by the passes of one loss
+    call: ``_workspace``): on CPU a fresh multi-MB tensor per chunk costs its page faults again (glibc hands large
     blocks back to the OS); on an accelerator the caching allocator already reuses memory, and the fp32-output GEMM
-    writes a fresh tensor.  One fp32 (fp64) logits
-    block, plus the half-precision GEMM output when the GEMM cannot write fp32 itself."""
+    writes a fresh tensor.  One fp32 (fp64) logits block, plus the half-precision GEMM output when the GEMM cannot
+    write fp32 itself; ``half_only`` (a forward pass of a ``"tiles"`` plan): the GEMM output alone, which
+    :meth:`logits` then returns as it is."""
 
-    def __init__(self, rows: int, vocab: int, plan: Plan, device: torch.device):
+    def __init__(self, rows: int, vocab: int, plan: Plan, device: torch.device, half_only: bool = False):
         self.fast = plan.fast
         self.reuse = device.type == "cpu" and not plan.fast and rows > 0
-        self.full = scratch("full", rows * vocab, plan.mdtype, device) if self.reuse else None
+        self.half_only = half_only and self.reuse and plan.cdtype != plan.mdtype
+        full = self.reuse and not self.half_only
+        self.full = scratch("full", rows * vocab, plan.mdtype, device) if full else None
         half = self.reuse and plan.cdtype != plan.mdtype
         self.half = scratch("half", rows * vocab, plan.cdtype, device) if half else None
 
@@ -299,9 +295,11 @@ class LogitsBuffers:
         return buf[: rows * cols].view(rows, cols)
 
     def logits(self, h, w, bias):
-        """fp32 (fp64) ``h @ w.T + b``; ``h``, ``w`` in the compute dtype."""
+        """fp32 (fp64) ``h @ w.T + b`` (``half_only``: in the compute dtype); ``h``, ``w`` in the compute dtype."""
         if not self.reuse:
             return _logits(h, w, bias, self.fast)
+        if self.half_only:  # no bias here (tiles_sweep)
+            return torch.mm(h, w.t(), out=self._block(self.half, h.shape[0], w.shape[0]))
         out = self._block(self.full, h.shape[0], w.shape[0])
         if self.half is None:
             torch.mm(h, w.t(), out=out) if bias is None else torch.addmm(bias.to(h.dtype), h, w.t(), out=out)

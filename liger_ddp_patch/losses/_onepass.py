@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _kernels, _twopass
+from . import _kernels, _tiles, _twopass
 from ._kernels import LogitsBuffers, Plan, Selection, no_autocast, softmax_
 
 __all__ = ["Chunk", "OnePassLoss", "group_chunks"]
@@ -162,13 +162,6 @@ def _softmax_minus_onehot_(logits, lab):
     return logp, lse, k
 
 
-def _triton():
-    """The Triton sweep (imported on first use: only a ``sweep="triton"`` plan gets here)."""
-    from . import _triton
-
-    return _triton
-
-
 class OnePassLoss(torch.autograd.Function):
     """``(loss, S)`` of a per-group loss of the per-row sums ``S``; gradients made in the forward.
 
@@ -230,7 +223,8 @@ class _Run:
         block = plan.block_rows(weight) if weight.dtype != plan.cdtype else V
         self.grad_w = _Accumulator(torch.empty_like(weight), block, plan.fast) if need_w else None  # the result
         self.long = _LongGroups(self.grad_w)
-        self.bufs = LogitsBuffers(max((c.end - c.start for c in schedule[1]), default=0), V, plan, device)
+        rows = max((c.end - c.start for c in schedule[1]), default=0)
+        self.bufs = LogitsBuffers(rows, V, plan, device, half_only=plan.rows is _tiles)
 
     def chunk(self, c: Chunk, grouped):
         """Project tokens ``[c.start, c.end)``, form their gradients and add them (or hold them, if pending)."""
@@ -238,8 +232,8 @@ class _Run:
         pos, lab, r = sel.positions[s:e], sel.labels[s:e].unsqueeze(1), sel.rows[s:e]
         h = sel.hidden2d.index_select(0, pos).to(plan.cdtype)
         gl = self.bufs.logits(h, self.w, self.bias)
-        if plan.triton:  # one read now; the gradient below, once the factors are known (one read, one write)
-            logp, self.lse[s:e] = _triton().row_lse(gl, lab)
+        if plan.rows is not None:  # one read now; the gradient below, once the factors are known (read, write)
+            logp, self.lse[s:e] = plan.rows.row_lse(gl, lab)
             k = None
         else:
             logp, self.lse[s:e], k = _softmax_minus_onehot_(gl, lab)
@@ -253,9 +247,10 @@ class _Run:
         else:  # a long group's rows: factor -1 until it ends
             mult = torch.full((e - s,), -1.0, dtype=plan.mdtype, device=gl.device)
         # gl <- mult * (softmax - onehot) = grad_logits, in fp32 (one sweep), then one cast to the compute dtype
-        # (half-precision mul(out=), scatter_ and exp(out=) are slow paths on CPU); Triton: both in one kernel
-        if plan.triton:
-            glc = _triton().grad_(gl, lab, self.lse[s:e], logp, mult, self.bufs.lowp_out(gl, plan.cdtype))
+        # (half-precision mul(out=), scatter_ and exp(out=) are slow paths on CPU); Triton: both in one kernel;
+        # tiles: both on one fp32 tile of rows at a time, from and into the half block
+        if plan.rows is not None:
+            glc = plan.rows.grad_(gl, lab, self.lse[s:e], logp, mult, self.bufs.lowp_out(gl, plan.cdtype))
         else:
             gl.mul_((mult if k is None else mult * k).unsqueeze(1))
             glc = self.bufs.lowp(gl, plan.cdtype)

@@ -1,23 +1,27 @@
-"""The ``(chunk, V)`` sweep of a half-precision CPU chunk, on row tiles that stay in cache (issue #22).
+"""The ``(chunk, V)`` sweep of a half-precision CPU chunk on row tiles: the half block is the only block (issue #22).
 
-On CPU the GEMM writes the chunk's logits in its own half dtype.  Converting the whole block to fp32 and sweeping it
-(fused log-softmax, exp, the target entry, the row factor, the cast back) moves ~40 bytes per logit through memory,
-more than the GEMMs cost once they run on native bf16 (AVX-512 BF16, AMX).  Here the half block is read twice and
-written once, a few rows at a time into one small fp32 tile, as the Triton kernels of ``_triton.py`` do on a GPU:
+On CPU the GEMM writes a chunk's logits in its own half dtype.  Converting the whole block to an fp32 block costs
+4 more bytes per logit of the memory budget (a bf16 chunk held 699 tokens at V=32,000, an fp32 one 1,048), and a
+chunk that ends inside a pair (a "long" pair) costs a ``(V, H)`` sum and smaller GEMMs (``_onepass``).  Here a few
+rows at a time are copied into one fp32 tile that stays in cache, so a chunk holds ~3x the tokens for the same
+budget; as the Triton kernels of ``_triton.py``, same interface:
 
     row_lse:  tile <- x[rows] (fp32); the target logit; log-softmax in place; logp, lse = tgt - logp
-    grad_:    tile <- x[rows]; exp(tile - lse); the target entry expm1(logp); * mult; x[rows] <- tile (half)
+    grad_:    tile <- x[rows]; exp(tile - lse); the target entry expm1(logp); * mult; out[rows] <- tile (half)
 
-Same interface as ``_triton`` (``row_lse``, ``grad_``), plain torch ops, so it runs inside DDP's forward like any.
+All fp32 (the softmax, its target entry, the row factor), one rounding to the half dtype at the end, as the block
+sweep.  Plain torch ops: it runs inside DDP's forward like any.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ._workspace import scratch
+
 __all__ = ["TILE_BYTES", "grad_", "row_lse", "tile_rows"]
 
-TILE_BYTES = 1 << 20  # fp32 bytes of one tile: about a core's L2
+TILE_BYTES = 8 << 20  # fp32 bytes of one tile: within a CPU's L3 (bench_sweeps.py: 2-16 MiB tiles time alike)
 
 
 def tile_rows(vocab: int) -> int:
@@ -25,16 +29,17 @@ def tile_rows(vocab: int) -> int:
 
 
 def _tiles(x: torch.Tensor):
+    """``(start, end, fp32 copy of x[start:end])`` over row tiles, all in one buffer."""
     n, V = x.shape
     rows = tile_rows(V)
-    buf = torch.empty(min(n, rows) * V, dtype=torch.float32, device=x.device)
+    buf = scratch("tile", min(n, rows) * V, torch.float32, x.device)
     for s in range(0, n, rows):
         e = min(n, s + rows)
         yield s, e, buf[: (e - s) * V].view(e - s, V).copy_(x[s:e])
 
 
 def row_lse(x: torch.Tensor, labels: torch.Tensor):
-    """``(logp, lse)`` (fp32 ``(n,)``) of the targets ``labels`` (``(n, 1)``) in the half ``(n, V)`` logits ``x``,
+    """``(logp, lse)`` (fp32, ``(n,)``) of the targets ``labels`` (``(n, 1)``) in the half ``(n, V)`` logits ``x``,
     which are left as they are."""
     n = x.shape[0]
     logp = torch.empty(n, dtype=torch.float32, device=x.device)
@@ -43,7 +48,7 @@ def row_lse(x: torch.Tensor, labels: torch.Tensor):
         lab = labels[s:e]
         tgt = t.gather(1, lab).squeeze(1)
         torch._log_softmax(t, 1, False, out=t)
-        torch.gather(t, 1, lab, out=logp[s:e].unsqueeze(1))
+        logp[s:e] = t.gather(1, lab).squeeze(1)
         torch.sub(tgt, logp[s:e], out=lse[s:e])
     return logp, lse
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _kernels
+from . import _kernels, _tiles
 from ._kernels import LogitsBuffers, Plan, Selection, needs_grad, no_autocast, softmax_
 
 __all__ = ["TokenLogProbs", "backward_chunks", "forward_chunks", "token_logprobs"]
@@ -24,14 +24,12 @@ def forward_chunks(sel: Selection, weight, bias, plan: Plan):
     logp = torch.empty(n, dtype=torch.float32, device=device)
     lse = torch.empty(n, dtype=torch.float32, device=device)
     w = weight.to(plan.cdtype)  # no copy unless autocast (or mixed inputs) asks for another dtype
-    bufs = LogitsBuffers(min(n, plan.chunk), weight.shape[0], plan, device)
+    bufs = LogitsBuffers(min(n, plan.chunk), weight.shape[0], plan, device, half_only=plan.rows is _tiles)
     for s in range(0, n, plan.chunk):
         e = min(n, s + plan.chunk)
         logits = bufs.logits(sel.hidden2d.index_select(0, sel.positions[s:e]).to(plan.cdtype), w, bias)
-        if plan.triton:  # one read of the block instead of max, subtract, exp, sum
-            from . import _triton
-
-            logp[s:e], lse[s:e] = _triton.row_lse(logits, sel.labels[s:e])
+        if plan.rows is not None:  # one read of the block (Triton), or of one tile at a time
+            logp[s:e], lse[s:e] = plan.rows.row_lse(logits, sel.labels[s:e].unsqueeze(1))
         else:
             logp[s:e], lse[s:e], _ = softmax_(logits, sel.labels[s:e].unsqueeze(1), probs=False)
         del logits
