@@ -7,17 +7,21 @@
 Issue #22 asks for the bf16 head loss at <= 1.2x the GEMM floor.  What stands between the two is the elementwise
 work on each chunk's logits block (``bench_losses.py``/``profile_losses.py`` time whole steps); this script times
 that work alone, next to the GEMM that makes the block, so that a candidate is judged before it is built.  One block
-is the package's default bf16 chunk on CPU (``budget / (6 V)`` rows: 699 at V=32,000, 147 at V=151,936), H=896.
+is the package's default bf16 chunk on CPU (``(budget - tile) / (2 V)`` rows since the tile sweep: 1,966 at V=32,000,
+414 at V=151,936; before it ``budget / (6 V)``: 699 and 147), H=896.
 
 Arms, interleaved (every round runs each once, in turn; the table gives medians over rounds):
 
   gemm_bf16  the block's GEMM in bf16 (what the floor pays per block, three times per policy token)
   gemm_fp32  the same GEMM in fp32
-  now        the package's own sweep: ``LogitsBuffers`` (bf16 block -> fp32), ``_onepass._softmax_minus_onehot_``
-             (fused log-softmax, exp, the target entry), the row factor, the cast back to bf16
+  now        the block sweep: ``LogitsBuffers`` (bf16 block -> fp32), ``_onepass._softmax_minus_onehot_``
+             (fused softmax, the target entry), the row factor, the cast back to bf16 (what a bf16 CPU chunk ran
+             before ``tiles``, and still runs with a biased head)
   tiled      the same ops on row tiles of ``--tile-bytes`` (each tile stays in cache between its ops)
   one_exp    tiled, and one exponential per logit instead of two: the package's accelerator branch of ``softmax_``
              (max, exp, sum; the softmax scaled, not recomputed), forced on CPU
+  tiles      the package's CPU half-precision sweep (``losses/_tiles.py``): ``row_lse`` then ``grad_`` on fp32 row
+             tiles of ``_tiles.TILE_BYTES`` copied from the bf16 block, written back into it (no fp32 block)
   compiled   (``--compile``) the whole sweep as one ``torch.compile(dynamic=True)`` function (inductor); its first call
              (the compilation) is reported apart
 

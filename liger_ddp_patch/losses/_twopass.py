@@ -24,9 +24,10 @@ def forward_chunks(sel: Selection, weight, bias, plan: Plan):
     logp = torch.empty(n, dtype=torch.float32, device=device)
     lse = torch.empty(n, dtype=torch.float32, device=device)
     w = weight.to(plan.cdtype)  # no copy unless autocast (or mixed inputs) asks for another dtype
-    bufs = LogitsBuffers(min(n, plan.chunk), weight.shape[0], plan, device, half_only=plan.rows is _tiles)
-    for s in range(0, n, plan.chunk):
-        e = min(n, s + plan.chunk)
+    step = -(-n // max(1, -(-n // plan.chunk)))  # as many chunks as plan.chunk needs, of equal size: no small last
+    bufs = LogitsBuffers(min(n, step), weight.shape[0], plan, device, half_only=plan.rows is _tiles)
+    for s in range(0, n, step or 1):
+        e = min(n, s + step)
         logits = bufs.logits(sel.hidden2d.index_select(0, sel.positions[s:e]).to(plan.cdtype), w, bias)
         if plan.rows is not None:  # one read of the block (Triton), or of one tile at a time
             logp[s:e], lse[s:e] = plan.rows.row_lse(logits, sel.labels[s:e].unsqueeze(1))
