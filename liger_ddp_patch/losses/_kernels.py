@@ -406,7 +406,7 @@ COLUMN_SUM_TILE_BYTES = 8 << 20
 def _column_sums(weight):
     """``weight.sum(0)`` in fp32.  A half-precision ``sum(dim=0, dtype=float32)`` converts the whole ``(V, H)``
     weight to fp32 first (a hidden ``4 V H``-byte temporary): sum blocks of at most 8 MiB in fp32 and V / 8 rows
-    instead (larger blocks fall out of cache: at V=32,000, H=896 blocks of 4,000 rows took 2.5x as long, issue #22)."""
+    instead (larger blocks fall out of cache, issue #22)."""
     if weight.dtype == torch.float32:
         return weight.sum(dim=0)
     block = max(1, min(COLUMN_SUM_TILE_BYTES // (4 * max(1, weight.shape[1])), -(-weight.shape[0] // 8)))
