@@ -233,7 +233,12 @@ class Plan(NamedTuple):
             from . import _triton
 
             return _triton
-        return _tiles if self.sweep.startswith("tiles") else None
+        return _tiles if self.tiles else None
+
+    @property
+    def tiles(self) -> bool:
+        """The ``_tiles`` sweep: a forward pass keeps the GEMM's half block as its only ``(chunk, V)`` block."""
+        return self.sweep.startswith("tiles")
 
     def block_rows(self, weight: torch.Tensor) -> int:
         """Vocabulary rows per block where the weight gradient needs an fp32 tile (half precision, or a weight of

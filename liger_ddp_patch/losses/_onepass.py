@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _kernels, _tiles, _twopass
+from . import _kernels, _twopass
 from ._kernels import LogitsBuffers, Plan, Selection, no_autocast, softmax_
 
 __all__ = ["Chunk", "OnePassLoss", "group_chunks"]
@@ -224,7 +224,7 @@ class _Run:
         self.grad_w = _Accumulator(torch.empty_like(weight), block, plan.fast) if need_w else None  # the result
         self.long = _LongGroups(self.grad_w)
         rows = max((c.end - c.start for c in schedule[1]), default=0)
-        self.bufs = LogitsBuffers(rows, V, plan, device, half_only=plan.rows is _tiles)
+        self.bufs = LogitsBuffers(rows, V, plan, device, half_only=plan.tiles)
 
     def chunk(self, c: Chunk, grouped):
         """Project tokens ``[c.start, c.end)``, form their gradients and add them (or hold them, if pending)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _kernels, _tiles
+from . import _kernels
 from ._kernels import LogitsBuffers, Plan, Selection, needs_grad, no_autocast, softmax_
 
 __all__ = ["TokenLogProbs", "backward_chunks", "forward_chunks", "token_logprobs"]
@@ -25,7 +25,7 @@ def forward_chunks(sel: Selection, weight, bias, plan: Plan):
     lse = torch.empty(n, dtype=torch.float32, device=device)
     w = weight.to(plan.cdtype)  # no copy unless autocast (or mixed inputs) asks for another dtype
     step = -(-n // max(1, -(-n // plan.chunk)))  # as many chunks as plan.chunk needs, of equal size: no small last
-    bufs = LogitsBuffers(min(n, step), weight.shape[0], plan, device, half_only=plan.rows is _tiles)
+    bufs = LogitsBuffers(min(n, step), weight.shape[0], plan, device, half_only=plan.tiles)
     for s in range(0, n, step or 1):
         e = min(n, s + step)
         logits = bufs.logits(sel.hidden2d.index_select(0, sel.positions[s:e]).to(plan.cdtype), w, bias)
