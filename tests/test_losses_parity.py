@@ -33,6 +33,7 @@ from liger_ddp_patch.losses._twopass import token_logprobs
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL = ATOL = 1e-5
+FP64_TOL = 5e-16  # fp64 inputs, fp64 math: about 2x the measured error (test_core_against_materialised_logits)
 TINY_CHUNK = 4  # < L=13: every sequence is split across token chunks (one pass with long pairs / rows; two passes)
 # >= the tokens of any pair (2 L) / row (L): whole pairs/rows per chunk, several chunks per batch (one-pass path)
 PAIR_CHUNK, ROW_CHUNK = 2 * 13, 13
@@ -267,7 +268,7 @@ def _kto_labels(batch):
 
 
 @pytest.mark.parametrize("which", REFS)
-@pytest.mark.parametrize("kl_kind", ["none", "scalar", "vector"])
+@pytest.mark.parametrize("kl_kind", ["none", "scalar", "one", "vector"])
 @pytest.mark.parametrize("avg", [False, True], ids=["sum", "avg"])
 @pytest.mark.parametrize("use_ref", [True, False], ids=["ref", "noref"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
@@ -276,7 +277,14 @@ def test_kto_parity(bias, use_ref, avg, kl_kind, which):
     batch = 5
     inp = make_inputs(batch=batch, bias=bias, fully_ignored_row=not avg, seed=31 + bias + 2 * use_ref)
     labels = _kto_labels(batch)
-    kl = {"none": None, "scalar": torch.tensor(0.37), "vector": torch.linspace(-0.5, 0.5, batch)}[kl_kind]
+    # "one": a (1,) kl, as Liger's own KTO tests pass it and TRL 1.12 builds it without a KL term (issue 31: taken
+    # per row, rows 1+ lost their term on both paths)
+    kl = {
+        "none": None,
+        "scalar": torch.tensor(0.37),
+        "one": torch.tensor([0.37]),
+        "vector": torch.linspace(-0.5, 0.5, batch),
+    }[kl_kind]
     kwargs = dict(beta=0.3, use_ref_model=use_ref, average_log_prob=avg)
     variants = _variants(TINY_CHUNK, ROW_CHUNK)
     runs = [
@@ -297,6 +305,34 @@ def test_kto_parity(bias, use_ref, avg, kl_kind, which):
         _compare(tag, ("loss",), (ours[0],), (ref[0],))
         _compare(tag, KTO_METRICS, ours[1], ref[1])
         _compare(tag, ("grad_hidden", "grad_weight", "grad_bias"), ours[2], ref[2])
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "two-pass"])
+def test_kto_kl_of_one_element_is_one_value_for_every_row(one_pass):
+    """A 0-dim, ``(1,)``, ``(1, 1)`` or Python-float kl is one value for every row: the same loss and gradients,
+    and every row has a gradient (a ``(1,)`` kl sliced per row left rows 1+ at exactly 0, issue 31)."""
+    inp = make_inputs(batch=5, seed=33, fully_ignored_row=False)
+    labels = _kto_labels(5)
+    kw = dict(beta=0.3, use_ref_model=True, token_chunk_size=ROW_CHUNK, one_pass=one_pass)
+    runs = [
+        _run_kto(ChunkedKTOLoss, kw, inp, labels, kl) for kl in (0.37, torch.tensor([0.37]), torch.full((1, 1), 0.37))
+    ]
+    base = _run_kto(ChunkedKTOLoss, kw, inp, labels, torch.tensor(0.37))
+    assert _path(base[0]) == ("one-pass" if one_pass else "two-pass")
+    assert all(base[2][0][r].abs().sum() > 0 for r in range(5))
+    for run in runs:
+        _compare(
+            "kto-kl-forms", ("loss", "grad_hidden", "grad_weight", "grad_bias"), (run[0], *run[2]), (base[0], *base[2])
+        )
+
+
+@pytest.mark.parametrize("kl", [torch.zeros(2), torch.zeros(5, 1), torch.zeros(1, 5), torch.zeros(6)], ids=str)
+def test_kto_kl_of_another_shape_is_refused(kl):
+    """A kl that is neither one value nor one per row: a clear ValueError (the fused losses broadcast it against a
+    chunk of rows and add up terms of the wrong rows)."""
+    x = leaf_copies(make_inputs(batch=5, seed=33))
+    with pytest.raises(ValueError, match=r"kl must be a scalar, a one-element tensor or a \(B,\) tensor with B = 5"):
+        call_kto(ChunkedKTOLoss(use_ref_model=True), x, _kto_labels(5), kl)
 
 
 @pytest.mark.parametrize("which", REFS)
@@ -323,14 +359,19 @@ def test_kto_noncontiguous_input_like_trl(which):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("chunk", [1, 3, 1000])
 def test_core_against_materialised_logits(chunk, dtype):
-    """Always runs (no Liger/TRL needed): per-token log-probs and all grads vs log_softmax on full logits."""
+    """Always runs (no Liger/TRL needed): per-token log-probs and all grads vs log_softmax on full logits.
+
+    fp64 inputs are computed in fp64 throughout (log-sum-exps, per-token log-probs, accumulators): measured here
+    within 2.3e-16 of the fp64 reference (``close``'s measure; up to 3.1e-16 over other draws of ``coef``), so the
+    bound is 5e-16.  Before, the log-probs were stored in fp32 and were 3.3e-8 off, which this bound fails."""
     inp = make_inputs(seed=51, bias=True)
     target = inp["target"]
     h1 = inp["hidden"].to(dtype).requires_grad_(True)
     w1 = inp["weight"].to(dtype).requires_grad_(True)
     b1 = inp["bias"].to(dtype).requires_grad_(True)
     h2, w2, b2 = (t.detach().clone().requires_grad_(True) for t in (h1, w1, b1))
-    coef = torch.randn(target.shape[0], dtype=torch.float64)
+    coef = torch.randn(target.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    tol = FP64_TOL if dtype == torch.float64 else 1e-5
 
     logp, rows, counts = token_logprobs(h1, w1, b1, target, IGNORE, chunk)
     (logp.double() * coef[rows]).sum().backward()
@@ -341,14 +382,15 @@ def test_core_against_materialised_logits(chunk, dtype):
     ((tok * mask) * coef[:, None]).sum().backward()
 
     assert torch.equal(counts, mask.sum(1))
-    _compare("core", ("token_logp",), (logp,), (tok[mask],), rtol=1e-5, atol=1e-5)
+    assert logp.dtype == dtype
+    _compare("core", ("token_logp",), (logp,), (tok[mask],), rtol=tol, atol=tol)
     _compare(
         "core",
         ("grad_hidden", "grad_weight", "grad_bias"),
         (h1.grad, w1.grad, b1.grad),
         (h2.grad, w2.grad, b2.grad),
-        rtol=1e-5,
-        atol=1e-5,
+        rtol=tol,
+        atol=tol,
     )
     assert torch.all(h1.grad[~mask] == 0)
 

@@ -17,8 +17,8 @@ the compute dtype and added.
 Precision: the GEMMs run in the *compute dtype*: the autocast dtype when ``torch.autocast`` is on for the inputs'
 device (as autocast would run ``F.linear``; fp64 inputs are left alone, as autocast does), else the inputs' dtype.
 Both paths run with autocast off (:func:`no_autocast`), so a recomputed softmax is the one whose log-sum-exp was
-stored.  The log-sum-exp, the softmax, all reductions and the gradient accumulators are fp32 (fp64 for fp64
-inputs, :attr:`Plan.mdtype`).
+stored.  The log-sum-exp, the softmax, the per-token log-probs and their row sums, all reductions and the gradient
+accumulators are fp32, and fp64 for fp64 inputs (:attr:`Plan.mdtype`: fp64 inputs are fp64 throughout).
 """
 
 from __future__ import annotations
@@ -401,7 +401,7 @@ def select_tokens(hidden, target, ignore_index) -> Selection:
 
 
 def sequence_sums(logp, rows, batch_size):
-    """Differentiable per-row sums of per-token values (fp32)."""
+    """Differentiable per-row sums of per-token values (in their dtype: fp32, fp64 for fp64 inputs)."""
     return torch.zeros(batch_size, dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
 
 
@@ -409,10 +409,10 @@ COLUMN_SUM_TILE_BYTES = 8 << 20
 
 
 def _column_sums(weight):
-    """``weight.sum(0)`` in fp32.  A half-precision ``sum(dim=0, dtype=float32)`` converts the whole ``(V, H)``
-    weight to fp32 first (a hidden ``4 V H``-byte temporary): sum blocks of at most 8 MiB in fp32 and V / 8 rows
-    instead (larger blocks fall out of cache, issue #22)."""
-    if weight.dtype == torch.float32:
+    """``weight.sum(0)`` in fp32 (fp64 for an fp64 weight).  A half-precision ``sum(dim=0, dtype=float32)``
+    converts the whole ``(V, H)`` weight to fp32 first (a hidden ``4 V H``-byte temporary): sum blocks of at most
+    8 MiB in fp32 and V / 8 rows instead (larger blocks fall out of cache, issue #22)."""
+    if weight.dtype in (torch.float32, torch.float64):
         return weight.sum(dim=0)
     block = max(1, min(COLUMN_SUM_TILE_BYTES // (4 * max(1, weight.shape[1])), -(-weight.shape[0] // 8)))
     out = torch.zeros(weight.shape[1], dtype=torch.float32, device=weight.device)
@@ -426,12 +426,13 @@ def row_logit_sums(hidden, weight, bias):
 
     ``sum_v (h_t . W_v + b_v) = h_t . (sum_v W_v) + sum_v b_v``, so the row total is
     ``(sum_t h_t) . (sum_v W_v) + L * sum_v b_v`` -- O((B L + V) H) work instead of a (B L) x H x V GEMM.
-    Computed in fp32 (no gradient), autocast or not.
+    Computed in fp32 (fp64 when the hidden states and the weight are fp64; no gradient), autocast or not.
     """
     with torch.no_grad(), no_autocast(hidden.device):
         L = hidden.shape[1]
-        hsum = hidden.sum(dim=1, dtype=torch.float32)  # (B, H)
-        out = hsum @ _column_sums(weight)
+        dtype = math_dtype(torch.promote_types(hidden.dtype, weight.dtype))
+        hsum = hidden.sum(dim=1, dtype=dtype)  # (B, H)
+        out = hsum @ _column_sums(weight).to(dtype)
         if bias is not None:
-            out = out + L * bias.sum(dtype=torch.float32)
+            out = out + L * bias.sum(dtype=dtype)
     return out

@@ -214,7 +214,7 @@ class _Run:
         self.ordered = sel._replace(positions=sel.positions[order], labels=sel.labels[order], rows=sel.rows[order])
         self.plan, self.bias = plan, bias
         n = self.ordered.positions.numel()
-        self.sums = torch.zeros(sel.counts.shape[0], dtype=torch.float32, device=device)  # fp32, as two-pass
+        self.sums = torch.zeros(sel.counts.shape[0], dtype=plan.mdtype, device=device)  # as two-pass
         self.lse = torch.empty(n, dtype=plan.mdtype, device=device)
         self.g_tok = torch.zeros(n, dtype=plan.mdtype, device=device)  # dL/dS of each token's row
         self.grad_h = torch.zeros_like(sel.hidden2d) if need_h else None
@@ -237,7 +237,7 @@ class _Run:
             k = None
         else:
             logp, self.lse[s:e], k = _softmax_minus_onehot_(gl, lab)
-        self.sums.index_add_(0, r, logp.float())
+        self.sums.index_add_(0, r, logp.to(self.sums.dtype))
         if c.pending is None:  # every group here is complete: its rows' factors are known
             g = grouped.gradient(self.sums, c.groups).to(plan.mdtype)
             self.g_tok[s:e] = g.index_select(0, r)

@@ -19,10 +19,10 @@ __all__ = ["TokenLogProbs", "backward_chunks", "forward_chunks", "token_logprobs
 
 
 def forward_chunks(sel: Selection, weight, bias, plan: Plan):
-    """Returns (target log-prob, log-sum-exp), both fp32 of shape (N,)."""
+    """Returns (target log-prob, log-sum-exp), both of shape (N,) in ``plan.mdtype`` (fp32; fp64 for fp64)."""
     n, device = sel.positions.numel(), sel.hidden2d.device
-    logp = torch.empty(n, dtype=torch.float32, device=device)
-    lse = torch.empty(n, dtype=torch.float32, device=device)
+    logp = torch.empty(n, dtype=plan.mdtype, device=device)
+    lse = torch.empty(n, dtype=plan.mdtype, device=device)
     w = weight.to(plan.cdtype)  # no copy unless autocast (or mixed inputs) asks for another dtype
     step = -(-n // max(1, -(-n // plan.chunk)))  # as many chunks as plan.chunk needs, of equal size: no small last
     bufs = LogitsBuffers(min(n, step), weight.shape[0], plan, device, half_only=plan.tiles)
@@ -152,9 +152,9 @@ def token_logprobs(hidden, weight, bias, target, ignore_index, token_chunk_size=
         target: ``(B, L)`` integer labels; positions equal to ``ignore_index`` are skipped.
 
     Returns:
-        ``(logp, rows, counts)``: ``logp`` fp32 ``(N,)`` (differentiable w.r.t. hidden/weight/bias when
-        grad mode is on), ``rows`` int64 ``(N,)`` the batch row of every selected token, ``counts``
-        int64 ``(B,)`` the number of non-ignored tokens per row.
+        ``(logp, rows, counts)``: ``logp`` fp32 (fp64 for fp64 inputs) ``(N,)`` (differentiable w.r.t.
+        hidden/weight/bias when grad mode is on), ``rows`` int64 ``(N,)`` the batch row of every selected token,
+        ``counts`` int64 ``(B,)`` the number of non-ignored tokens per row.
     """
     sel = _kernels.select_tokens(hidden, target, ignore_index)
     plan = Plan.of(hidden, weight, token_chunk_size, sweep, bias)

@@ -252,7 +252,7 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
             if self.compute_nll_loss:
                 nll = -sums[:n_pairs].sum() / chosen_tokens
             else:  # Liger returns 0.0 / count here: NaN when every chosen row is fully ignored
-                nll = torch.zeros((), dtype=torch.float32, device=_input.device)
+                nll = torch.zeros((), dtype=sums.dtype, device=_input.device)
             row_sums = row_logit_sums(_input, lin_weight, bias)
         denom = float(n_pairs * seq_len * lin_weight.shape[0])
         metrics = (

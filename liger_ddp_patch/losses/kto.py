@@ -9,8 +9,9 @@ ref_input=, ref_weight=, ref_bias=, kl=``), same ``(loss, (6 metrics))`` return 
 KTO (Kahneman-Tversky Optimisation, arXiv:2402.01306), unpaired: each of the ``B`` rows is a completion
 with a boolean label ``u_i`` (True = desirable).  With ``logp_i`` the (summed, or averaged if
 ``average_log_prob``) target log-prob of row ``i`` over its non-ignored tokens and
-``r_i = logp_i - logp_ref_i`` (``r_i = logp_i`` when ``use_ref_model=False``), ``z_0`` = ``kl`` (a scalar
-or ``(B,)`` tensor, 0 when ``None``) and ``s_i = +1`` if ``u_i`` else ``-1``:
+``r_i = logp_i - logp_ref_i`` (``r_i = logp_i`` when ``use_ref_model=False``), ``z_0`` = ``kl`` (one value for
+every row -- a scalar, a 0-dim or a one-element tensor such as ``(1,)`` -- or a ``(B,)`` tensor, one per row; 0 when
+``None``) and ``s_i = +1`` if ``u_i`` else ``-1``:
 
     loss_i = 1 - σ(β (r_i - z_0) s_i)          i.e.  1 - σ(β (r_i - z_0))  for desirable rows,
                                                       1 - σ(β (z_0 - r_i))  for undesirable rows
@@ -53,12 +54,33 @@ def kto_preference_loss(logps, preference_labels, ref_logps=None, beta=0.1, kl=N
     return losses.sum() / logps.shape[0], chosen_rewards_sum, rejected_rewards_sum
 
 
+def _batch_kl(kl, batch_size: int, device):
+    """``kl`` as the loss reads it: None, a float, a detached 0-dim tensor (one value for every row: a 0-dim, ``(1,)``
+    or any one-element tensor, as Liger broadcasts it), or a detached ``(B,)`` tensor (one value per row).
+
+    A ``(1,)`` kl is what Liger-Kernel's own KTO tests pass and what TRL 1.12's KTOTrainer builds without a KL term
+    (``torch.zeros(1)``); taken per row it left rows 1+ without a term (issue 31).  Any other shape is refused: the
+    fused losses broadcast it against a chunk of rows, which adds up terms of the wrong rows."""
+    if not isinstance(kl, torch.Tensor):
+        return kl
+    kl = kl.detach().to(device)
+    if kl.numel() == 1:
+        return kl.reshape(())
+    if kl.shape == (batch_size,):
+        return kl
+    raise ValueError(
+        f"kl must be a scalar, a one-element tensor or a (B,) tensor with B = {batch_size} rows (one KL estimate "
+        f"per row), got shape {tuple(kl.shape)}: pass kl.mean() for one estimate, or kl.reshape({batch_size}) if it "
+        "holds one value per row"
+    )
+
+
 class _Batch(NamedTuple):
     """The batch constants of one KTO call: what a row's loss reads besides its own sum."""
 
     labels: torch.Tensor  # (B,) bool
     ref_logps: torch.Tensor | None  # (B,) or None
-    kl: torch.Tensor | None  # detached scalar or (B,), or None
+    kl: torch.Tensor | float | None  # detached 0-dim or (B,) (_batch_kl), a float, or None
     size: int
 
 
@@ -119,7 +141,8 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
             _input: ``(B, L, H)`` hidden states; lin_weight ``(V, H)``; target ``(B, L)``; bias ``(V,)``/None.
             preference_labels: ``(B,)`` bool (True = desirable); required (Liger asserts it, so do we).
             ref_input / ref_weight / ref_bias: reference model counterparts (only if ``use_ref_model``).
-            kl: scalar or ``(B,)`` KL estimate ``z_0`` (treated as a constant), or None.
+            kl: KL estimate ``z_0`` (treated as a constant): a scalar or one-element tensor (e.g. ``(1,)``) for all
+                rows, a ``(B,)`` tensor per row, or None; another shape raises ``ValueError``.
         Returns:
             ``(loss, (chosen_logps_sum, rejected_logps_sum, chosen_logits_sum, rejected_logits_sum,
             chosen_rewards_sum, rejected_rewards_sum))``.
@@ -133,8 +156,7 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
         if self.use_ref_model:
             with torch.no_grad():
                 ref_logps = self.sequence_logps(ref_input, ref_weight, ref_bias, target)
-        if isinstance(kl, torch.Tensor):
-            kl = kl.detach()
+        kl = _batch_kl(kl, target.shape[0], _input.device)
         batch = _Batch(labels, ref_logps, kl, target.shape[0])
         loss, sums, counts = self.policy_loss(_input, lin_weight, bias, target, batch)
         with torch.no_grad():
