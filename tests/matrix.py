@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from typing import NamedTuple
 
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from liger_ddp_patch.patches import PATCHES, liger_settings
@@ -77,7 +78,8 @@ def line_of(version: str) -> Line:
 
 def spec_of(patch: str):
     """The trainer spec a patch name belongs to (``gkd_compute_loss`` -> GKD)."""
-    return next(s for s in SPECS if patch in (s.compute_loss_patch, s.chunked_loss_patch, s.liger_settings_patch))
+    names = lambda s: (s.compute_loss_patch, s.compiled_patch, s.chunked_loss_patch, s.liger_settings_patch)  # noqa: E731
+    return next(s for s in SPECS if patch in names(s))
 
 
 def exists_in(spec, version: str) -> bool:
@@ -89,6 +91,8 @@ def expected_status(version: str, patch: str = "dpo_compute_loss") -> str:
     """What ``liger_ddp_patch.report()`` must say for ``patch`` under this release (stated from observation): DPO/KTO
     by :data:`LINES`; a trainer with its own range (GKD, GOLD, Distillation) by :data:`DISTILL_LINES`."""
     spec = spec_of(patch)
+    if patch == spec.compiled_patch:  # its own range: the releases whose upstream redirect misses a compiled model
+        return "applied" if version in SpecifierSet(spec.compiled_hole[0]) else "not_needed"
     if not spec.affected:
         return "applied" if line_of(version).patched else "not_needed"
     return "applied" if distill_line(spec, version).patched else "not_needed"

@@ -47,9 +47,15 @@ class DeepSpeedEngine(nn.Module):  # stands in for deepspeed's engine, by name (
 def test_only_distributed_data_parallel_is_routed(process_group):
     inner = Tiny()
     ddp, sub = nn.parallel.DistributedDataParallel(inner), DDPSubclass(Tiny())
-    assert route(ddp, inner, True) == (True, "routed through DistributedDataParallel.forward")
-    assert route(sub, sub.module, True) == (True, "routed through DDPSubclass.forward")
-    assert route(ddp, inner, False) == (False, "use_liger_kernel=False: left to TRL")
+    found, decision = route(ddp, True)
+    assert (found.ddp, found.inner, found.how, decision) == (
+        ddp,
+        inner,
+        "",
+        "routed through DistributedDataParallel.forward",
+    )
+    assert route(sub, True)[1] == "routed through DDPSubclass.forward"
+    assert route(ddp, False) == (None, "use_liger_kernel=False: left to TRL")
 
 
 @pytest.mark.parametrize(
@@ -60,12 +66,51 @@ def test_only_distributed_data_parallel_is_routed(process_group):
         # DataParallel.forward would scatter the inputs while the original runs on the un-replicated module.
         (nn.DataParallel, "DataParallel: left to TRL"),
         (DeepSpeedEngine, "DeepSpeedEngine: left to TRL"),
+        (torch.compile, "compiled no wrapper: left to TRL"),  # torch_compile=True in one process
+        (lambda m: torch.compile(nn.DataParallel(m)), "compiled DataParallel: left to TRL"),
     ],
-    ids=["none", "DataParallel", "DeepSpeedEngine"],
+    ids=["none", "DataParallel", "DeepSpeedEngine", "compiled", "compiled-DataParallel"],
 )
 def test_every_other_wrapper_is_left_to_trl(wrap, expected):
     inner = Tiny()
-    assert route(wrap(inner), inner, True) == (False, expected)
+    assert route(wrap(inner), True) == (None, expected)
+
+
+COMPILED = "compiled (OptimizedModule around DistributedDataParallel): routed through DistributedDataParallel.forward"
+
+
+def test_a_compiled_ddp_model_is_seen_through_even_after_accelerate_reseats_it(process_group):
+    """torch_compile=True hands compute_loss ``torch.compile(ddp)``. Accelerate's ``unwrap_model`` (what TRL calls)
+    re-seats its ``_orig_mod`` on the innermost module and returns the compiled model itself; the DDP module is still
+    found, through the forward torch.compile bound."""
+    from accelerate.utils import extract_model_from_parallel
+
+    inner = Tiny()
+    ddp = nn.parallel.DistributedDataParallel(inner)
+    compiled = torch.compile(ddp, backend="eager")
+    assert route(compiled, True)[0].ddp is ddp
+    assert extract_model_from_parallel(compiled) is compiled  # accelerate's unwrap: TRL 1.14's `model is not ...`
+    assert compiled._orig_mod is inner  # ... and the DDP module is no longer reachable by _orig_mod
+    found, decision = route(compiled, True)
+    assert (found.ddp, found.inner, found.how) == (ddp, inner, "compiled") and decision == f"{COMPILED}, eager"
+
+
+def test_accelerates_regional_compilation_of_a_ddp_model_is_routed(process_group):
+    from accelerate.utils import compile_regions
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 3)])
+
+        def forward(self, x):
+            return self.layers[1](self.layers[0](x))
+
+    ddp = nn.parallel.DistributedDataParallel(Blocks())
+    regional = compile_regions(ddp, backend="eager")  # a shallow copy of the DDP module, its blocks compiled
+    found, decision = route(regional, True)
+    assert found.ddp is regional and found.inner is regional.module and found.how == "compiled regions"
+    assert decision.startswith("compiled regions (accelerate's regional compilation inside DistributedDataParallel)")
 
 
 def test_pre_19_redirect_hands_the_inputs_to_a_ddp_built_with_device_ids(process_group):
@@ -119,7 +164,7 @@ class Trainer:
         self.liger_loss = FusedLoss()
 
 
-def call_replacement(spec, model):
+def call_replacement(spec, model, compiled_only=False):
     """One call of ``spec``'s compute_loss replacement with ``model``: what TRL's original saw, what the wrapper saw."""
     calls, forwards, result = [], [], torch.tensor(0.5)
 
@@ -131,7 +176,7 @@ def call_replacement(spec, model):
     trainer, inputs = Trainer(), {"x": torch.ones(4, 3)}
     loss = trainer.liger_loss
     engine = RecordingEngine({spec.chunked_loss_patch: FusedLoss})  # the fused class its chunked record checked
-    returned = replacer(spec)(compute_loss, engine)(trainer, model, inputs, False, 7)
+    returned = replacer(spec, compiled_only)(compute_loss, engine)(trainer, model, inputs, False, 7)
     return SimpleNamespace(
         calls=calls, forwards=forwards, trainer=trainer, inputs=inputs, loss=loss, result=result, returned=returned,
         notes=engine.notes,
@@ -199,3 +244,24 @@ def test_control_the_same_harness_sees_ddp_routed_and_swapped(process_group, spe
         return
     assert seen.trainer.liger_loss is not seen.loss and isinstance(seen.trainer.liger_loss, spec.loss_class())
     assert seen.notes[0][2].startswith("routed through DistributedDataParallel.forward, fused loss FusedLoss → ")
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.compiled_hole], ids=lambda s: s.name)
+def test_the_114_record_routes_only_a_compiled_ddp_model_and_keeps_trls_loss(process_group, spec, monkeypatch):
+    """TRL 1.14.x routes a plain DDP module itself (left to it, bit for bit); a compiled one is routed by us, through
+    the DDP module, with TRL 1.14's own loss (no swap). Control: the same DDP module, compiled, is routed."""
+    from liger_ddp_patch import log
+
+    monkeypatch.setattr(log, "_announced", True)
+    inner = Tiny()
+    ddp = nn.parallel.DistributedDataParallel(inner)
+    plain = call_replacement(spec, ddp, compiled_only=True)
+    assert plain.calls[0][1] is ddp and plain.forwards == [] and plain.returned is plain.result
+    assert plain.notes == [(spec.compiled_patch, "Trainer", "TRL routes DistributedDataParallel itself: left to TRL")]
+    entered = []
+    ddp.register_forward_pre_hook(lambda *_: entered.append(1))
+    compiled = call_replacement(spec, torch.compile(ddp, backend="eager"), compiled_only=True)
+    assert compiled.calls[0][1] is inner and entered == [1]  # inside DDP's own forward
+    assert compiled.forwards == []  # ... called directly: the compiled wrapper (dynamo) is not entered
+    assert compiled.trainer.liger_loss is compiled.loss  # TRL's loss object: nothing swapped
+    assert compiled.notes[-1] == (spec.compiled_patch, "Trainer", f"{COMPILED}, eager")

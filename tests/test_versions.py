@@ -99,7 +99,13 @@ def test_release_report(version):
             assert "cannot be imported" in status["reason"] and status["status"] == "not_needed", status
             continue
         assert status["version"] == version
-        if status["status"] == "not_needed":
+        if status["name"] == spec.compiled_patch:  # not needed before its range (compute_loss routes) or after it
+            assert (
+                status["status"] == "applied"
+                or "handles it" in status["reason"]
+                or (f"fixed upstream in trl {spec.compiled_hole[1]}" in status["reason"])
+            ), status
+        elif status["status"] == "not_needed":
             assert f"fixed upstream in trl {spec.fixed_in or tv.FIXED_IN}" in status["reason"], status
     for spec in SPECS:
         shape = result["shapes"][spec.name]
@@ -131,7 +137,7 @@ def broken_in(result: dict, code_from: str) -> list[dict]:
 
 def test_unknown_post_release_with_broken_code_is_patched_by_shape(tmp_path):
     result = engine_report(fake_release(tmp_path, "1.13.1", "1.13.0"))
-    assert len(broken_in(result, "1.13.0")) == len(NAMES) - 2  # all but Distillation's two
+    assert len(broken_in(result, "1.13.0")) == len(NAMES) - 4  # all but Distillation's two and the 1.14.x records
     for status in broken_in(result, "1.13.0"):
         assert status["status"] == "applied", status
         assert "not a release we have verified" in status["reason"] and "shape check matched" in status["reason"]
@@ -141,6 +147,9 @@ def test_unknown_future_release_with_fixed_code_is_left_alone(tmp_path):
     result = engine_report(fake_release(tmp_path, "2.0.0", "1.14.0"))
     for status in result["statuses"].values():
         spec = matrix.spec_of(status["name"])
+        if status["name"] == spec.compiled_patch:  # 1.14's redirect still misses a compiled model: its shape decides
+            assert status["status"] == "applied" and "shape check matched" in status["reason"], status
+            continue
         assert status["status"] == "not_needed", status
         assert "2.0.0" in status["reason"] and (spec.fixed_in or tv.FIXED_IN) in status["reason"], status
     # what was checked is in the words: the guard already redirects / the fused loss is gone

@@ -37,8 +37,14 @@ NO_TRITON = {k: False for k in ("rope", "rms_norm", "swiglu", "cross_entropy", "
 # q/v), modules_to_save, peft_model (a PeftModel, adapters already moved off zero, handed to the trainer), checkpointing
 # ("reentrant"/"non-reentrant"), find_unused (ddp_find_unused_parameters), ref_model (an explicit reference model),
 # grad_accum, loss_type, bf16, model_dtype, loss_options (LIGER_DDP_PATCH_LOSS while it trains: token_chunk_size=1
-# makes every pair / row longer than a chunk). A trainer's short name alone is its plain setup.
+# makes every pair / row longer than a chunk), compile (torch_compile=True with this backend), regional (accelerate's
+# regional compilation). A trainer's short name alone is its plain setup.
 CONFIGS: dict[str, dict] = {
+    # torch_compile=True: the Trainer hands compute_loss torch.compile(DDP). "eager" is dynamo without code generation
+    # (the same wrappers, seconds to compile on 2 cores); "inductor" is what users get by default.
+    **{f"{kind}-compile": {"trainer": kind, "compile": "eager"} for kind in ("dpo", "kto", "gkd")},
+    "dpo-compile-inductor": {"trainer": "dpo", "compile": "inductor"},
+    "dpo-compile-regional": {"trainer": "dpo", "compile": "eager", "regional": True},
     "dpo-bf16-mixed": {"trainer": "dpo", "bf16": True},  # fp32 weights, bf16=True (TRL's default)
     "kto-bf16-mixed": {"trainer": "kto", "bf16": True},
     "dpo-bf16": {"trainer": "dpo", "bf16": True, "model_dtype": "bfloat16"},  # the upstream report's setting
@@ -95,7 +101,8 @@ def setup(name: str, arm: str, args) -> argparse.Namespace:
     """The command line with config ``name``'s keys and ``arm`` applied (unknown names: a trainer's plain setup)."""
     defaults = {"lora": False, "modules_to_save": None, "peft_model": False, "checkpointing": None,
                 "find_unused": None, "ref_model": False, "loss_type": None, "loss_options": None,
-                "lmbda": 0.0, "tied": False, "loss_top_k": 0, "temperature": 1.0, "real_vocab": False}  # fmt: skip
+                "lmbda": 0.0, "tied": False, "loss_top_k": 0, "temperature": 1.0, "real_vocab": False,
+                "compile": None, "regional": False}  # fmt: skip
     merged = {**defaults, **vars(args), **CONFIGS.get(name, {"trainer": name}), "config": name, "arm": arm}
     if arm == "off":
         merged["no_liger"] = True
@@ -232,6 +239,10 @@ def _optional(args) -> dict:
         extra["ddp_find_unused_parameters"] = args.find_unused
     if args.loss_type:
         extra["loss_type"] = args.loss_type
+    if args.compile:
+        extra.update(torch_compile=True, torch_compile_backend=args.compile)
+    if args.save_steps:
+        extra.update(save_strategy="steps", save_steps=args.save_steps)
     if trainer_specs()[args.trainer].dataset == "messages":
         # temperature 1 unless a config sets it (TRL 1.13's Liger path applies none); short generations (a
         # completion shorter than max_length: GOLD 1.6 requires it); GOLD without its ULD loss; the full vocabulary
@@ -298,7 +309,7 @@ def _config(config_cls, kind: str, args):
     fields = {f.name for f in dataclasses.fields(config_cls)}
     return config_cls(
         **{k: v for k, v in _optional(args).items() if k in fields},
-        output_dir=tempfile.mkdtemp(prefix=f"probe-{kind}-"),
+        output_dir=args.output_dir or tempfile.mkdtemp(prefix=f"probe-{kind}-"),
         use_liger_kernel=not args.no_liger,
         liger_kernel_config=NO_TRITON,
         per_device_train_batch_size=args.batch_size,
@@ -312,7 +323,7 @@ def _config(config_cls, kind: str, args):
         max_length=64,
         use_cpu=args.device == "cpu",
         ddp_backend="gloo" if args.device == "cuda" else None,  # NCCL refuses two ranks on one GPU
-        save_strategy="no",
+        **({} if args.save_steps else {"save_strategy": "no"}),
         report_to="none",
         disable_tqdm=True,
         seed=0,
@@ -337,6 +348,8 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
     if args.tied:  # the head becomes the input embedding (as tied checkpoints load)
         model.config.tie_word_embeddings = True
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    regional = "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"  # read when the Trainer builds its Accelerator
+    os.environ[regional] = str(bool(args.regional))
     config = _config(config_cls, kind, args)
     result: dict = {"trainer": kind, "config": name, "arm": arm}
     # The eval set is the same on every rank: the Trainer shards it, so eval metrics are comparable across runs.
@@ -369,6 +382,7 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
         processing_class=tokenizer,
         **extra,
     )
+    os.environ.pop(regional)
     if arm == "fused":
         keep_fused(trainer, spec)
 
@@ -386,7 +400,14 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
 
     if PATCH_MODE == "late":
         import liger_ddp_patch  # noqa: F401  (the trainer already holds a fused loss: the patch must convert it)
+
+    class StopAfter(TrainerCallback):  # an interrupted run: stops (after its checkpoint) at --stop-after
+        def on_step_end(self, _args, state, control, **kwargs):
+            if args.stop_after and state.global_step >= args.stop_after:
+                control.should_training_stop = True
+
     trainer.add_callback(GradProbe())
+    trainer.add_callback(StopAfter())
     result["callbacks"] = [type(c).__name__ for c in trainer.callback_handler.callbacks]  # e.g. the sync verifier
     seen: dict = {}
     handle = _watch_losses(seen)
@@ -394,7 +415,7 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
     if args.loss_options:  # read by the loss swap, the first time the trainer computes a loss under DDP
         os.environ[LOSS_VARIABLE] = args.loss_options
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=args.resume or None)
     finally:
         handle.remove()
         if saved is None:
@@ -431,6 +452,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=1, help="optimizer steps")
     parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--output-dir", help="the Trainer's output_dir (default: a fresh temporary folder)")
+    parser.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    parser.add_argument("--stop-after", type=int, default=0, help="stop after N optimizer steps (an interrupted run)")
+    parser.add_argument("--resume", help="resume_from_checkpoint: a checkpoint folder")
     parser.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (0: no evaluation)")
     parser.add_argument(
         "--bf16", action="store_true", help="TRL's bf16=True (mixed precision; the loss still sees fp32)"

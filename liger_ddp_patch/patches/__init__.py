@@ -1,5 +1,6 @@
-"""The patch records, up to three per trainer spec: route its compute_loss under DDP, arm the swap of its fused loss
-(DPO/KTO), and say which of the user's settings TRL's Liger path drops (a warning only)."""
+"""The patch records, up to four per trainer spec: route its compute_loss under DDP, route a compiled DDP model in the
+releases whose own redirect misses it (DPO/KTO 1.14.x), arm the swap of its fused loss (DPO/KTO), and say which of
+the user's settings TRL's Liger path drops (a warning only)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,11 @@ from .trainers import SPECS, TrainerSpec
 
 def _record(spec: TrainerSpec, **fields) -> Patch:
     """A record on the spec's trainer modules.  Releases whose trainer code we have read, the spec's affected range
-    and its fix: a release outside RELEASES is "unknown", and the shape check decides."""
-    return Patch(
-        module=spec.hooked_modules,
-        distribution="trl",
-        affected=spec.affected or trl_versions.AFFECTED,
-        fixed_in=spec.fixed_in or trl_versions.FIXED_IN,
-        releases=trl_versions.RELEASES,
-        **fields,
-    )
+    and its fix (unless ``fields`` name their own): a release outside RELEASES is "unknown", and the shape check
+    decides."""
+    fields.setdefault("affected", spec.affected or trl_versions.AFFECTED)
+    fields.setdefault("fixed_in", spec.fixed_in or trl_versions.FIXED_IN)
+    return Patch(module=spec.hooked_modules, distribution="trl", releases=trl_versions.RELEASES, **fields)
 
 
 def records(spec: TrainerSpec) -> tuple[Patch, ...]:
@@ -36,6 +33,22 @@ def records(spec: TrainerSpec) -> tuple[Patch, ...]:
             "wrapper's forward; every other setup runs TRL's own code",
         )
     ]
+    if spec.compiled_hole:
+        affected, fixed_in = spec.compiled_hole
+        found.append(
+            _record(
+                spec,
+                name=spec.compiled_patch,
+                attribute=(f"{spec.trainer}.compute_loss",),
+                check=compute_loss.compiled_checker,
+                replace=compute_loss.replacer(spec, compiled_only=True),
+                summary=f"routes the Liger {label} loss of a compiled model (torch_compile=True) through the "
+                "DistributedDataParallel module inside it; every other setup runs TRL's own code",
+                affected=affected,
+                fixed_in=fixed_in,
+                covered_by=spec.compute_loss_patch,
+            )
+        )
     if spec.loss:
         found.append(
             _record(
@@ -45,6 +58,8 @@ def records(spec: TrainerSpec) -> tuple[Patch, ...]:
                 check=chunked_loss.checker(spec),
                 replace=None,  # armed: the compute_loss patch swaps a DDP trainer's loss object at run time
                 requires=("liger_kernel",),  # 1.0.0-1.12.0 import the fused loss only when liger-kernel is installed
+                # ... and at least this version (0.7.0 in 1.0-1.1, 0.8.0 in 1.5-1.10, 0.8.2 from 1.12: read, not kept)
+                requires_min=(("liger_kernel", "trl.import_utils:LIGER_KERNEL_MIN_VERSION"),),
                 summary=f"swaps the fused loss of {label} trainers that run under DistributedDataParallel for {ours}",
             )
         )

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..log import announce
-from . import _shape, chunked_loss, pitfalls
+from . import _ddp, _shape, chunked_loss, pitfalls
 from .trainers import TrainerSpec
 
 # The code shapes we know how to fix, by name (each TrainerSpec.shapes says which release has which). Each entry is one
@@ -63,6 +63,14 @@ SHAPES["decoder_unrouted"] = {**_STUDENT, "student_outputs = base_student(": "th
 SHAPES["head_outside"] = {
     **_STUDENT,
     "self._forward_redirection( model, unwrapped_student,": "the routed student decoder",
+}
+# 1.14.0-1.14.2 DPO/KTO (upstream's fix, PRs #7243/#7247): redirect whenever `model is not unwrapped_model`, which is
+# false for a compiled model (accelerate's unwrap returns the compiled wrapper itself): only that case is routed.
+COMPILED_HOLE = {
+    "if self.use_liger_kernel:": "the `use_liger_kernel` branch",
+    "unwrapped_model = self.accelerator.unwrap_model(model)": "the unwrap of the model",
+    "if self.is_fsdp_enabled or model is not unwrapped_model:": "the identity test of upstream's redirect",
+    "self._forward_redirection(": "the `_forward_redirection` call",
 }
 _LIGER_HELPER = "self._compute_liger_loss(model, inputs"  # Distillation's compute_loss hands its Liger path on
 _BATCH_METRICS_LIGER = {
@@ -120,6 +128,18 @@ def shape(original: Any, names: tuple[str, ...] | None = None) -> tuple[str | No
     return None, "no known shape matches: " + "; ".join(f"{name}: {why}" for name, why in misses.items())
 
 
+def compiled_checker(original: Any) -> str | None:
+    """The shape check of a TRL 1.14.x compute_loss: upstream's identity-tested redirect (:data:`COMPILED_HOLE`)."""
+    if not callable(original):
+        return f"compute_loss is a {type(original).__name__}, not a function"
+    if _shape.parameters(original) != _SIGNATURE:
+        return f"compute_loss takes {_shape.parameters(original)}, expected {_SIGNATURE}"
+    source = _shape.source_of(original)
+    if source is None:
+        return "the source of compute_loss is not available, so its shape cannot be verified"
+    return _shape.missing(source, COMPILED_HOLE)
+
+
 def checker(spec: TrainerSpec) -> Callable[[Any], str | None]:
     """The shape check of ``spec``'s compute_loss: one of the shapes its releases have."""
     names = tuple(dict.fromkeys(s for _, s in spec.shapes if s in SHAPES))
@@ -146,21 +166,37 @@ def _uses_liger(trainer: Any, spec: TrainerSpec) -> bool:
     return bool(flag)
 
 
-def route(model: Any, unwrapped: Any, uses_liger: bool) -> tuple[bool, str]:
-    """``(route through the wrapper?, what that means)`` for the model the Trainer handed to ``compute_loss``.
+def route(model: Any, uses_liger: bool) -> tuple[_ddp.Found | None, str]:
+    """``(the DDP module to route through, or None; what that means)`` for the model handed to ``compute_loss``.
 
-    Only ``DistributedDataParallel`` (or a subclass) is broken: its reducer is armed by its own ``forward`` alone.
-    Everything else keeps TRL's code: ``DataParallel`` would scatter the inputs over the GPUs while the original runs
-    on the un-replicated module; a DeepSpeed engine (any ZeRO stage) and FSDP reduce gradients through their own
-    hooks, and TRL already redirects ZeRO-3/FSDP itself; an unwrapped model (one process, evaluation) needs nothing.
+    Only ``DistributedDataParallel`` (or a subclass) is broken: its reducer is armed by its own ``forward`` alone. It
+    is found through ``torch.compile`` too (:mod:`._ddp`), and the call then goes through the DDP module itself, eager:
+    TRL's and Liger's ``torch.func`` losses are not traced by dynamo. Everything else keeps TRL's code:
+    ``DataParallel`` would scatter the inputs over the GPUs while the original runs on the un-replicated module; a
+    DeepSpeed engine (any ZeRO stage) and FSDP reduce gradients through their own hooks, and TRL already redirects
+    ZeRO-3/FSDP itself; an unwrapped model (one process, evaluation) needs nothing.
     """
-    from torch.nn.parallel import DistributedDataParallel
-
     if not uses_liger:
-        return False, "use_liger_kernel=False: left to TRL"
-    if isinstance(model, DistributedDataParallel):
-        return True, f"routed through {type(model).__name__}.forward"
-    return False, f"{'no wrapper' if model is unwrapped else type(model).__name__}: left to TRL"
+        return None, "use_liger_kernel=False: left to TRL"
+    found = _ddp.find(model)
+    if found is None:
+        return None, f"{_label(model)}: left to TRL"
+    ddp = type(found.ddp).__name__
+    via = f"routed through {ddp}.forward"
+    if found.how == _ddp.COMPILED:
+        via = f"compiled ({type(model).__name__} around {ddp}): {via}, eager"
+    elif found.how == _ddp.REGIONS:
+        via = f"compiled regions (accelerate's regional compilation inside {ddp}): {via}"
+    return found, via
+
+
+def _label(model: Any) -> str:
+    """What wraps the model, in words ("no wrapper" for a bare model)."""
+    from torch import nn
+
+    if type(model).__name__ == "OptimizedModule":
+        return f"compiled {_label(vars(model)['_modules'].get('_orig_mod'))}"
+    return type(model).__name__ if isinstance(getattr(model, "module", None), nn.Module) else "no wrapper"
 
 
 def head_route(wrapper: Any, unwrapped: Any) -> tuple[bool, str]:
@@ -214,42 +250,47 @@ def redirect_forward(wrapper: Any, inner: Any, method: Any, *args: Any, **kwargs
         restore()
 
 
-def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
-    """The ``replace`` of ``spec``'s compute_loss record (``engine``: the armed loss swap and the run-time notes)."""
-    name = spec.compute_loss_patch
+def replacer(spec: TrainerSpec, compiled_only: bool = False) -> Callable[[Any, Any], Any]:
+    """The ``replace`` of ``spec``'s compute_loss record (``engine``: the armed loss swap and the run-time notes).
+
+    ``compiled_only``: the record for TRL 1.14.x, whose own redirect handles a plain DDP module (left to it, with its
+    own loss) but not one that ``torch.compile`` wraps (:mod:`._ddp`): only that one is routed, and no loss is swapped.
+    """
+    name = spec.compiled_patch if compiled_only else spec.compute_loss_patch
     checked: weakref.WeakSet = weakref.WeakSet()  # wrappers already looked at by pitfalls.warn (first routed call)
 
     def replace(original: Any, engine: Any) -> Any:
         # TRL 1.6-1.13's distillation trainers route the decoder themselves: only their head is at stake
-        head_only = shape(original, ("head_outside",))[0] == "head_outside"
+        head_only = not compiled_only and shape(original, ("head_outside",))[0] == "head_outside"
 
         @functools.wraps(original)
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            uses_liger = _uses_liger(self, spec)
-            unwrapped = self.accelerator.unwrap_model(model) if uses_liger else model
-            routed, decision = route(model, unwrapped, uses_liger)
-            if routed and head_only:
-                routed, decision = head_route(model, unwrapped)
+            found, decision = route(model, _uses_liger(self, spec))
+            if found and compiled_only and not found.how:
+                found, decision = None, f"TRL routes {type(model).__name__} itself: left to TRL"
+            if found and head_only and not found.how:
+                found, decision = head_route(found.ddp, found.inner)
             trainer = type(self).__name__
-            if not routed:
+            if not found:
                 engine.note(name, trainer, decision)
                 return original(self, model, inputs, return_outputs, num_items_in_batch)
-            if spec.loss:
+            ddp, inner = found.ddp, found.inner
+            if spec.loss and not compiled_only:
                 decision = f"{decision}, {chunked_loss.swap(self, engine.original(spec.chunked_loss_patch), spec)}"
-            if model not in checked:
-                checked.add(model)
-                for pitfall in (pitfalls.warn(model, unwrapped), pitfalls.warn_fp32(self, unwrapped)):
+            if ddp not in checked:
+                checked.add(ddp)
+                for pitfall in (pitfalls.warn(ddp, inner), pitfalls.warn_fp32(self, inner)):
                     if pitfall:
                         engine.note(name, trainer, pitfall)
             engine.note(name, trainer, decision)
             announce("liger_ddp_patch: %s under DistributedDataParallel: %s (%s)", trainer, decision, spec.upstream)
 
-            # Inside the wrapper's forward the original sees an unwrapped model and takes its plain Liger path.
+            # Inside the wrapper's forward the original sees the unwrapped model and takes its plain Liger path.
             def run(unwrapped_model, inputs, return_outputs):
                 return original(self, unwrapped_model, inputs, return_outputs, num_items_in_batch)
 
             redirect = getattr(self, "_forward_redirection", None) or redirect_forward
-            return redirect(model, unwrapped, run, unwrapped, inputs, return_outputs)
+            return redirect(ddp, inner, run, inner, inputs, return_outputs)
 
         return compute_loss
 

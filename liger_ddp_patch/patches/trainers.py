@@ -42,10 +42,17 @@ class TrainerSpec(NamedTuple):
     # trainer attributes that, all set, send compute_loss down a path without the Liger loss (GOLD's ULD loss)
     not_liger_when: tuple[str, ...] = ()
     upstream: str = "TRL #7245"  # the upstream issue the rank-0 line cites
+    # (PEP 440 range, first release without it) of the releases whose own DDP redirect misses a compiled model
+    # (``torch_compile=True``): their compute_loss record routes that one only (compute_loss.replacer(compiled_only))
+    compiled_hole: tuple[str, str] = ()
 
     @property
     def compute_loss_patch(self) -> str:
         return f"{self.name}_compute_loss"
+
+    @property
+    def compiled_patch(self) -> str:
+        return f"{self.name}_compiled_ddp"
 
     @property
     def chunked_loss_patch(self) -> str:
@@ -89,6 +96,9 @@ DPO = TrainerSpec(
     fused=("LigerFusedLinearDPOLoss", "FusedLinearDPOLoss"),
     loss_attributes=("liger_loss", "liger_loss_fn"),  # liger_loss_fn before 1.8.0
     loss="liger_ddp_patch.losses:ChunkedDPOLoss",
+    # 1.14.x redirect only when `model is not unwrapped_model`, which accelerate's unwrap of a compiled model defeats
+    # (patches/_ddp.py); 1.15.0 dropped the Liger loss path (the loss runs in the model's own forward)
+    compiled_hole=(">=1.14.0,<1.15.0", "1.15.0"),
 )
 
 KTO = TrainerSpec(
@@ -102,6 +112,7 @@ KTO = TrainerSpec(
     fused=("LigerFusedLinearKTOLoss", "FusedLinearKTOLoss"),
     loss_attributes=("liger_loss", "liger_loss_fn", "kto_loss_fn"),  # kto_loss_fn 1.0.0-1.5.1, liger_loss_fn 1.6-1.7.1
     loss="liger_ddp_patch.losses:ChunkedKTOLoss",
+    compiled_hole=(">=1.14.0,<1.15.0", "1.15.0"),
 )
 
 # The distillation trainers (TRL issue #5282, fixed in 1.6.0 by PR #5934): 1.0.0-1.5.1 run the student's decoder on the
