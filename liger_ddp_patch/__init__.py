@@ -84,10 +84,13 @@ def _verify_every_trainer(module) -> None:  # post-import hook on transformers.t
     if _engine.enabled:  # not after unpatch()
         from .verify import install_trainer_hook
 
-        install_trainer_hook(module, _engine.settings.verify_every)
+        install_trainer_hook(module, _engine.settings.verify_every, _engine.settings.strict)
 
 
-if _engine.settings.verify_every > 0:  # every Trainer verifies its gradients, even with the patches disabled
+# LIGER_DDP_PATCH_VERIFY=N: every Trainer checks its gradients every N steps, even with the patches disabled; unset:
+# while the package is on, once at the first optimizer step of a DDP job (verify.FirstStepCheck); 0: never.
+_settings_now = _engine.settings
+if _settings_now.verify_every > 0 or (_settings_now.check_first and not _settings_now.disable_all):
     import wrapt
 
     wrapt.register_post_import_hook(_verify_every_trainer, "transformers.trainer")

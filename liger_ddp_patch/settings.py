@@ -46,7 +46,8 @@ class LossOptions(NamedTuple):
 class Settings(NamedTuple):
     disable_all: bool = False
     disabled: frozenset[str] = frozenset()
-    verify_every: int = 0  # 0: no runtime gradient-sync check
+    verify_every: int = 0  # N > 0: check gradient sync at the first optimizer step and every N after, raising
+    check_first: bool = True  # LIGER_DDP_PATCH_VERIFY unset: check once, at the first step, and warn (not raise)
     strict: bool = False
     loss: LossOptions = LossOptions()
 
@@ -86,6 +87,7 @@ def _parse_bool(var: str, raw: str) -> bool:
 
 
 def _parse_verify(raw: str) -> int:
+    """N for the periodic check (1/true: 100); 0 for none, or for the default once-only check when unset."""
     value = raw.strip().lower()
     if value in _FALSE:
         return 0
@@ -98,7 +100,8 @@ def _parse_verify(raw: str) -> int:
     if every < 0:
         _warn(
             f"{VERIFY}={raw!r} is not understood; use 1 (check every 100 optimizer steps), "
-            "a positive integer N (every N steps) or 0. Using the default: off."
+            "a positive integer N (every N steps) or 0 (no check at all). Using the default: one check at the first "
+            "optimizer step."
         )
         return 0
     return every
@@ -165,6 +168,7 @@ def read(known_patches: frozenset[str], environ: dict[str, str] | None = None) -
         disable_all=disable_all,
         disabled=disabled,
         verify_every=_parse_verify(env.get(VERIFY, "")),
+        check_first=env.get(VERIFY, "").strip().lower() not in _FALSE - {""},
         strict=_parse_bool(STRICT, env.get(STRICT, "")),
         loss=loss_options(env),
     )

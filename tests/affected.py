@@ -52,8 +52,14 @@ _ALL = ("dpo", "kto", "gkd", "gold", "distillation", "iw_opd")
 
 ROWS: tuple[Row, ...] = (
     Row(("dpo", "kto"), "DPO, KTO", "1.9.0", "1.13.0", DDP, SILENT,
-        "every rank trains its own model (TRL #7245)",
-        "runs the loss inside DDP's `forward`; fused loss → `ChunkedDPOLoss` / `ChunkedKTOLoss`", _DPO_KTO),
+        "every rank trains its own model (TRL #7245), `torch_compile=True` included",
+        "runs the loss inside DDP's `forward` (eager, under `torch_compile=True` too); fused loss → "
+        "`ChunkedDPOLoss` / `ChunkedKTOLoss`", _DPO_KTO),
+    Row(("dpo", "kto"), "DPO, KTO", "1.14.0", "1.14.2", "DDP + `torch_compile=True`", SILENT,
+        "TRL's fix redirects only when `model is not unwrapped_model`, which accelerate's unwrap of a compiled model "
+        "makes false; accelerate's regional compilation crashes",
+        "runs TRL 1.14's own loss inside DDP's `forward`, eager (other setups: TRL's code)",
+        ("dpo_compiled_ddp", "kto_compiled_ddp")),
     Row(("dpo", "kto"), "DPO, KTO", "1.0.0", "1.8.0", DDP, CRASH,
         "`'DistributedDataParallel' object has no attribute 'get_decoder'` (`'base_model'` from 1.6.0)",
         "the same: it trains", _DPO_KTO),
@@ -70,7 +76,8 @@ ROWS: tuple[Row, ...] = (
     Row(_ALL, "all of the above", "1.0.0", None, OTHER, FINE,
         "one process, `DataParallel`, DeepSpeed (ZeRO 0–3), FSDP/FSDP2", "nothing: TRL's own code, bit for bit"),
     Row(_ALL, "all of the above", "1.14.0", None, ANY, FINE,
-        "fixed upstream, or the Liger loss removed / deprecated", "nothing (`status` says `not_needed`)"),
+        "fixed upstream, or the Liger loss removed / deprecated (except the row above)",
+        "nothing (`status` says `not_needed`)"),
 )  # fmt: skip
 
 # README "Not affected", one line per trainer (read from the released wheels, issue 19), between its own markers.

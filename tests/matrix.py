@@ -64,7 +64,9 @@ LINES: tuple[Line, ...] = (
     Line("1.9.0", "liger_kernel.chunked_loss", _UNSYNCED, "unsynced"),
     Line("1.13.0", "trl.losses (vendored; DPO also passes label_smoothing and discopop_tau)", _UNSYNCED, "unsynced"),
     Line("1.14.0", "none built: DPO and KTO compute chunked log-probs themselves (TRL #7243)",
-         "nothing: the guard redirects whenever `model is not unwrapped_model` (TRL #7247)", "synced"),
+         "nothing under plain DDP: the guard redirects whenever `model is not unwrapped_model` (TRL #7247); with "
+         "`torch_compile=True` that test is false (accelerate unwraps a compiled model to itself) and every rank trains "
+         "its own model (`tests/test_compile.py`)", "synced"),
     Line("1.15.0", _DEPRECATED,
          "nothing for this package (fixed upstream in TRL 1.14.0); on a CPU-only machine its Liger path stops in "
          "Liger's Triton kernels (`RuntimeError: 0 active drivers`), with or without the package", "synced"),
@@ -219,8 +221,9 @@ _DOES = {
     "crash, gradients all-reduced; the inputs pass through the wrapper, as DDP with `device_ids` needs) and swaps the "
     "trainer's fused loss for our chunked one; any other setup (ZeRO-3/FSDP included) runs TRL's code",
     "batch_metrics": "as `unredirected`, for the Liger branch of its `get_batch_loss_metrics`",
-    "fixed": 'nothing: every patch reports `not_needed` ("fixed upstream in trl 1.14.0"); an import of the package '
-    "changes nothing",
+    "fixed": "nothing, except on 1.14.0-1.14.2 with `torch_compile=True`, which `dpo_compiled_ddp` / "
+    "`kto_compiled_ddp` route through the DDP module (TRL 1.14's own loss); every other patch reports `not_needed` "
+    '("fixed upstream in trl 1.14.0")',
 }
 
 

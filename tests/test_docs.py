@@ -316,7 +316,10 @@ def _rows_covering(kind: str, version: str) -> list[affected.Row]:
     return [
         r
         for r in affected.ROWS
-        if kind in r.kinds and r.is_ddp and Version(r.first) <= v and (r.last is None or v <= Version(r.last))
+        if kind in r.kinds
+        and r.setup in (affected.DDP, affected.ANY)  # plain DDP, not a narrower setting of it
+        and Version(r.first) <= v
+        and (r.last is None or v <= Version(r.last))
     ]
 
 

@@ -12,7 +12,7 @@ def read(**env):
 
 def test_defaults():
     s = read()
-    assert (s.disable_all, s.disabled, s.verify_every, s.strict) == (False, frozenset(), 0, False)
+    assert (s.disable_all, s.disabled, s.verify_every, s.check_first, s.strict) == (False, frozenset(), 0, True, False)
 
 
 @pytest.mark.parametrize("value", ["1", "true", "TRUE", "all", "yes", " on "])
@@ -40,9 +40,14 @@ def test_unknown_names_warn_and_list_the_valid_ones():
     assert "bogus" in message and "dpo_compute_loss, kto_chunked_loss, kto_compute_loss" in message
 
 
-@pytest.mark.parametrize(("value", "every"), [("1", 100), ("true", 100), ("25", 25), ("0", 0), ("", 0)])
-def test_verify(value, every):
-    assert read(LIGER_DDP_PATCH_VERIFY=value).verify_every == every
+@pytest.mark.parametrize(
+    ("value", "every", "first"), [("1", 100, True), ("true", 100, True), ("25", 25, True), ("0", 0, False),
+                                  ("off", 0, False), ("", 0, True)]
+)  # fmt: skip
+def test_verify(value, every, first):
+    """Unset: the one check at the first step (warns); N: every N steps (raises); 0: no check at all."""
+    s = read(LIGER_DDP_PATCH_VERIFY=value)
+    assert (s.verify_every, s.check_first) == (every, first)
 
 
 @pytest.mark.parametrize("value", ["-3", "often", "1.5"])

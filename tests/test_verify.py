@@ -128,3 +128,43 @@ def test_patched_run_with_verifier_is_silent(tiny_small):
     assert "GradientSyncVerifier" in run["callbacks"]
     assert (run["params"], run["differing"]) == (25, 0)
     assert "GradientDesyncError" not in result["log"]
+
+
+# -- the default check: once, at the first optimizer step of every DDP job where the package is on ------------------
+FIRST = "liger_ddp_patch: gradients in sync across 2 ranks at step 0 (25 parameters)"
+NOT_SYNCED = "liger_ddp_patch: Gradients are NOT synchronised across the 2 data-parallel ranks at optimizer step 0: "
+
+
+def test_default_check_is_hooked_only_while_the_package_is_on():
+    code = (
+        "import liger_ddp_patch, transformers.trainer as t\n"
+        "print(hasattr(t.Trainer.__init__, '_liger_ddp_patch_original_init'))\n"
+    )
+    hooked = {}
+    for label, env in (("default", {}), ("VERIFY=0", {"LIGER_DDP_PATCH_VERIFY": "0"}),
+                       ("DISABLE=1", {"LIGER_DDP_PATCH_DISABLE": "1"})):  # fmt: skip
+        clean = {k: v for k, v in __import__("os").environ.items() if not k.startswith("LIGER_DDP_PATCH_")}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**clean, **env})
+        hooked[label] = proc.stdout.strip()
+    assert hooked == {"default": "True", "VERIFY=0": "False", "DISABLE=1": "False"}
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("strict", [False, True], ids=["warns", "strict-raises"])
+def test_default_check_catches_a_desync_the_patches_miss(tiny_small, strict):
+    """The hole of issue 31 as it was before the compile fix: torch_compile=True with DPO's routing turned off. The
+    default check (LIGER_DDP_PATCH_VERIFY unset) warns on rank 0 with the parameters and the likely cause; the job
+    goes on. Under LIGER_DDP_PATCH_STRICT=1 it raises instead."""
+    from liger_ddp_patch.demo import run_probe
+
+    env = {"LIGER_DDP_PATCH_DISABLE": "dpo_compute_loss", "LIGER_DDP_PATCH_STRICT": "1" if strict else ""}
+    result = run_probe(tiny_small, "before", env=env, extra=("--configs", "dpo-compile"))
+    (run,) = result["results"]
+    assert FIRST not in result["log"]
+    if strict:
+        assert run.get("error", "").startswith("GradientDesyncError: Gradients are NOT synchronised"), run
+        return
+    assert "error" not in run and run["differing"] == 25, run
+    assert NOT_SYNCED in result["log"] and "model.embed_tokens.weight" in result["log"], result["log"][-3000:]
+    assert "Likely cause: DPOTrainer (model OptimizedModule) computes its loss outside" in result["log"]
+    assert result["log"].count(NOT_SYNCED) == 1  # rank 0 only, first step only

@@ -40,11 +40,9 @@ NO_TRITON = {k: False for k in ("rope", "rms_norm", "swiglu", "cross_entropy", "
 # makes every pair / row longer than a chunk), compile (torch_compile=True with this backend), regional (accelerate's
 # regional compilation). A trainer's short name alone is its plain setup.
 CONFIGS: dict[str, dict] = {
-    # torch_compile=True: the Trainer hands compute_loss torch.compile(DDP). "eager" is dynamo without code generation
-    # (the same wrappers, seconds to compile on 2 cores); "inductor" is what users get by default.
-    **{f"{kind}-compile": {"trainer": kind, "compile": "eager"} for kind in ("dpo", "kto", "gkd")},
-    "dpo-compile-inductor": {"trainer": "dpo", "compile": "inductor"},
-    "dpo-compile-regional": {"trainer": "dpo", "compile": "eager", "regional": True},
+    # torch_compile=True (inductor, the default backend): the Trainer hands compute_loss torch.compile(DDP)
+    **{f"{kind}-compile": {"trainer": kind, "compile": "inductor"} for kind in ("dpo", "kto", "gkd")},
+    "dpo-compile-regional": {"trainer": "dpo", "compile": "inductor", "regional": True},
     "dpo-bf16-mixed": {"trainer": "dpo", "bf16": True},  # fp32 weights, bf16=True (TRL's default)
     "kto-bf16-mixed": {"trainer": "kto", "bf16": True},
     "dpo-bf16": {"trainer": "dpo", "bf16": True, "model_dtype": "bfloat16"},  # the upstream report's setting
@@ -309,7 +307,9 @@ def _config(config_cls, kind: str, args):
     fields = {f.name for f in dataclasses.fields(config_cls)}
     return config_cls(
         **{k: v for k, v in _optional(args).items() if k in fields},
-        output_dir=args.output_dir or tempfile.mkdtemp(prefix=f"probe-{kind}-"),
+        output_dir=os.path.join(args.output_dir, tag(args.config, args.arm))
+        if args.output_dir
+        else tempfile.mkdtemp(prefix=f"probe-{kind}-"),
         use_liger_kernel=not args.no_liger,
         liger_kernel_config=NO_TRITON,
         per_device_train_batch_size=args.batch_size,
@@ -401,13 +401,7 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
     if PATCH_MODE == "late":
         import liger_ddp_patch  # noqa: F401  (the trainer already holds a fused loss: the patch must convert it)
 
-    class StopAfter(TrainerCallback):  # an interrupted run: stops (after its checkpoint) at --stop-after
-        def on_step_end(self, _args, state, control, **kwargs):
-            if args.stop_after and state.global_step >= args.stop_after:
-                control.should_training_stop = True
-
     trainer.add_callback(GradProbe())
-    trainer.add_callback(StopAfter())
     result["callbacks"] = [type(c).__name__ for c in trainer.callback_handler.callbacks]  # e.g. the sync verifier
     seen: dict = {}
     handle = _watch_losses(seen)
@@ -415,7 +409,8 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
     if args.loss_options:  # read by the loss swap, the first time the trainer computes a loss under DDP
         os.environ[LOSS_VARIABLE] = args.loss_options
     try:
-        trainer.train(resume_from_checkpoint=args.resume or None)
+        resume = os.path.join(config.output_dir, args.resume) if args.resume else None
+        trainer.train(resume_from_checkpoint=resume)
     finally:
         handle.remove()
         if saved is None:
@@ -452,10 +447,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=1, help="optimizer steps")
     parser.add_argument("--grad-accum", type=int, default=1)
-    parser.add_argument("--output-dir", help="the Trainer's output_dir (default: a fresh temporary folder)")
+    parser.add_argument("--output-dir", help="output_dir is OUTPUT_DIR/<config>[.<arm>] (default: a temporary folder)")
     parser.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps (0: never)")
-    parser.add_argument("--stop-after", type=int, default=0, help="stop after N optimizer steps (an interrupted run)")
-    parser.add_argument("--resume", help="resume_from_checkpoint: a checkpoint folder")
+    parser.add_argument("--resume", help="resume_from_checkpoint: a checkpoint's folder name, e.g. checkpoint-1")
     parser.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (0: no evaluation)")
     parser.add_argument(
         "--bf16", action="store_true", help="TRL's bf16=True (mixed precision; the loss still sees fp32)"
