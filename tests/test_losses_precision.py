@@ -13,7 +13,7 @@ import torch
 from _loss_cases import call_kto, fp64_dpo_truth, leaf_copies, load_reference
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss, _kernels
+from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss, _kernels, _onepass
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -368,3 +368,118 @@ def test_fp32_output_gemm_branch_matches_the_plain_path(monkeypatch, token_chunk
         if e_f > FAST_BOUND * scale or e_fp > 2**-6 * scale or e_f > 1.5 * e_p + 1e-6 * scale:
             bad.append(f"{name}: |fast - plain| {e_fp:.3g}, |fast - truth| {e_f:.3g}, |plain - truth| {e_p:.3g}")
     assert not bad, "\n".join(bad)
+
+
+# ------------------------------------------------------------------------ fp16: what GradScaler keeps (issue 31)
+
+GRAD_SCALE = 2.0**13  # GradScaler's 2**16 after three halvings: the incoming gradient of the loss's backward
+
+
+def _fp16_inputs(vocab, hidden=16, seed=0):
+    """B = 4, L = 8 (2 prompt tokens), an LM head initialised as LMs are (std 0.02): softmax entries ~1 / V, so the
+    weight gradient's non-target rows are ~beta / B / V, far below fp16's smallest normal number at scale 1."""
+    g = torch.Generator().manual_seed(seed)
+    x = dict(
+        hidden=torch.randn(4, 8, hidden, generator=g),
+        weight=torch.randn(vocab, hidden, generator=g) * 0.02,
+        bias=None,
+        ref_hidden=torch.randn(4, 8, hidden, generator=g),
+        ref_weight=torch.randn(vocab, hidden, generator=g) * 0.02,
+        ref_bias=None,
+        target=torch.randint(0, vocab, (4, 8), generator=g),
+    )
+    x["target"][:, :2] = -100
+    return _rounded(x, torch.float16)
+
+
+def _fp16_grads(x, autocast, **kw):
+    """``(path, grad_hidden, grad_weight)`` of one fp16 step (fp16 tensors, or fp32 ones under CPU fp16 autocast)
+    with the loss scaled by ``GRAD_SCALE``, unscaled as GradScaler does."""
+    x = leaf_copies(
+        x if autocast else {k: (v.half() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()}
+    )
+    with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+        loss, _ = _dpo(ChunkedDPOLoss, x, **kw)
+    (loss * GRAD_SCALE).backward()
+    path = "one-pass" if "OnePassLoss" in loss.grad_fn.name() else "two-pass"
+    return path, x["hidden"].grad.double() / GRAD_SCALE, x["weight"].grad.double() / GRAD_SCALE
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp16", "autocast-fp16"])
+def test_fp16_one_pass_keeps_what_grad_scaler_keeps(monkeypatch, autocast):
+    """fp16 at V = 151,936 against an fp64 truth, the loss scaled by 2**13: the one-pass path (whole pairs per
+    chunk, and pairs longer than a chunk) within 2x the two-pass path's error on the weight gradient's non-target
+    rows (relative norm) and on grad-input, with at most 2x its entries flushed to zero (+2).
+
+    Measured (H = 16): two-pass 2.9e-4, 9 entries flushed; one-pass 2.9e-4, 10 (fp16) / 3 (autocast) on this first
+    call at the initial 2**16; long pairs 4.8e-4, 12 (fp16: their sums are rounded twice more) / 2.8e-4, 0
+    (autocast).  Before (the forward at scale 1): 0.105 and 94,195 entries flushed, grad-input 6x the two-pass
+    error (Liger 0.8.5: 0.104, 91,425).  Broken on purpose -- ``LossScale.of`` returning 1, as before -- every
+    case fails; long pairs' sums stored at scale 1 (``pending = 1``): 2.4e-3, 8x the two-pass error, fails."""
+    monkeypatch.setattr(_onepass, "loss_scale", _onepass.LossScale())  # a fresh process: GradScaler's first step
+    x = _fp16_inputs(151_936)
+    truth = fp64_dpo_truth(x)
+    nt = torch.ones(151_936, dtype=torch.bool)
+    nt[x["target"][x["target"] >= 0]] = False  # rows of no target: only softmax entries reach them
+
+    def errors(grads):
+        gh, gw = grads
+        rel = ((gw[nt] - truth[4][nt]).norm() / truth[4][nt].norm()).item()
+        flushed = int(((gw[nt] == 0) & (truth[4][nt] != 0)).sum())
+        return rel, flushed, _max_err(gh, truth[3]) / truth[3].abs().max().item()
+
+    path, *two = _fp16_grads(x, autocast, one_pass=False)
+    assert path == "two-pass"
+    e_two = errors(two)
+    bad = []
+    for name, kw in (("one-pass", {}), ("one-pass, long pairs", dict(token_chunk_size=4))):
+        path, *one = _fp16_grads(x, autocast, **kw)
+        assert path == "one-pass"
+        e_one = errors(one)
+        print(f"{name}: non-target rows {e_one[0]:.3g} ({e_one[1]} flushed), grad-input {e_one[2]:.3g}; "
+              f"two-pass {e_two[0]:.3g} ({e_two[1]} flushed), {e_two[2]:.3g}")  # fmt: skip
+        if e_one[0] > 2 * e_two[0] or e_one[1] > 2 * e_two[1] + 2 or e_one[2] > 2 * e_two[2]:
+            bad.append(f"{name}: {e_one} vs two-pass {e_two}")
+    assert not bad, "\n".join(bad)
+    assert _onepass.loss_scale.value == GRAD_SCALE  # the next forward stores at GradScaler's scale
+
+
+def test_fp16_gradients_that_overflow_the_stored_scale_are_recomputed(monkeypatch):
+    """A stored scale far above GradScaler's (as after a run of halvings): the one-pass gradients overflow fp16, so
+    the backward recomputes them from the incoming gradient as the two-pass path does (once), and the next call
+    stores at GradScaler's scale (no recompute)."""
+    from liger_ddp_patch.losses import _twopass
+
+    scale = _onepass.LossScale()
+    scale.value = 2.0**40
+    monkeypatch.setattr(_onepass, "loss_scale", scale)
+    calls = []
+    real = _twopass.backward_chunks
+    monkeypatch.setattr(_twopass, "backward_chunks", lambda *a: calls.append(1) or real(*a))
+    x = _fp16_inputs(300, hidden=16)
+    _, *two = _fp16_grads(x, False, one_pass=False, token_chunk_size=4)  # the two-pass path: one call
+    assert len(calls) == 1
+    for recomputed in (1, 0):  # overflow at 2**40: recomputed; then at 2**13: as stored
+        before = len(calls)
+        _, *one = _fp16_grads(x, False, token_chunk_size=4)
+        for a, b in zip(one, two):
+            assert torch.isfinite(a).all() and _max_err(a, b) <= 2**-9 * b.abs().max().item()
+        assert len(calls) - before == recomputed and scale.value == GRAD_SCALE
+
+
+def test_fp16_stored_scale_follows_the_incoming_gradient(monkeypatch):
+    """The stored scale is the last fp16 backward's incoming gradient rounded down to a power of two, from any
+    value (1: no GradScaler yet); a zero incoming gradient leaves it; bf16 stores at none."""
+    scale = _onepass.LossScale()
+    monkeypatch.setattr(_onepass, "loss_scale", scale)
+    x = _fp16_inputs(300, hidden=16)
+    for before, incoming, after in ((1.0, GRAD_SCALE, GRAD_SCALE), (GRAD_SCALE, 3 * 2.0**10, 2.0**11), (4.0, 0.0, 4.0)):
+        scale.value = before
+        y = leaf_copies({k: (v.half() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()})
+        loss, _ = _dpo(ChunkedDPOLoss, y)
+        (loss * incoming).backward()
+        assert scale.value == after, (before, incoming, scale.value)
+    y = leaf_copies({k: (v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()})
+    loss, _ = _dpo(ChunkedDPOLoss, y)
+    (loss * GRAD_SCALE).backward()
+    assert scale.value == 4.0 and _onepass.LossScale().of(_kernels.Plan.of(y["hidden"], y["weight"], None)) is None

@@ -10,7 +10,8 @@ a group's last token has been through the head, its sums are complete, and with 
 
 is formed in place of the logits (fp32: the softmax, the target entry set to ``expm1(logp)``, one scaling sweep,
 one cast to the compute dtype), multiplied into grad-input and the weight gradient, and dropped: three GEMMs per
-policy token, against four on the two-pass path (``_twopass``).  The backward only scales the stored gradients.
+policy token, against four on the two-pass path (``_twopass``).  The backward only scales the stored gradients
+(in fp16 they are stored at GradScaler's scale, :class:`LossScale`).
 
 Groups that fit a token chunk are packed whole into chunks.  A group longer than the chunk (a long pair) is split
 over consecutive chunks; until its last chunk its rows' ``a`` is unknown, so those chunks use ``a = 1`` and add
@@ -34,6 +35,7 @@ vocabulary block at a time (``_kernels.vocab_block_rows``).  Not supported (clea
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -41,7 +43,55 @@ import torch
 from . import _kernels, _twopass
 from ._kernels import LogitsBuffers, Plan, Selection, no_autocast, softmax_
 
-__all__ = ["Chunk", "OnePassLoss", "group_chunks"]
+__all__ = ["Chunk", "LossScale", "OnePassLoss", "group_chunks", "loss_scale"]
+
+
+class LossScale:
+    """fp16: the power of two at which the one-pass forward stores the gradients it forms (issue 31).
+
+    fp16 keeps magnitudes ~6e-5 to 65504 (subnormals down to 6e-8, with fewer bits), and a loss's gradients are
+    small (a row's factor ``a = dL/dS`` ~ beta / B, times softmax entries ~1 / V): GradScaler multiplies the loss by
+    a scale (2**16 at first, halved on overflow) which the backward receives as its incoming gradient.  The one-pass
+    forward runs before that scale exists; at scale 1 it flushed 94,195 weight-gradient entries to zero at
+    V = 151,936, H = 16 (the two-pass path: 9; Liger 0.8.5 as we did: 91,425).  So in fp16 it stores them at ``value``
+    times their size -- ``value``: the incoming gradient of the previous fp16 one-pass backward rounded down to a
+    power of two (GradScaler's scale; its initial 2**16 before the first) -- and the backward multiplies by
+    ``grad_output / value``, a power of two under GradScaler: exact.  A long group's sums (its factor unknown until
+    it ends) are stored at ``value * factor``, ``factor`` the largest row factor of the previous call.  Where the
+    stored gradients are not all finite (GradScaler just halved its scale, or this batch's gradients are larger),
+    the backward recomputes them from ``grad_output`` as the two-pass path does: only time is lost.
+
+    Chosen over sending fp16 to the two-pass path, measured (``tests/test_losses_precision.py``, an fp64 truth,
+    scale 2**13): both at the two-pass path's error on the non-target rows, 2.9e-4 (a long pair's sums, rounded
+    twice more: 4.8e-4), and this keeps the one-pass path's three GEMMs per token instead of four (0.77x the
+    two-pass time on a GPU, ``benchmarks/README.md``).  bf16, fp32 and fp64 have fp32's exponent range: their
+    gradients are stored at scale 1, as before."""
+
+    INITIAL = 2.0**16
+    # about a DPO pair's beta / (2 P) at beta = 0.1, P = 4 (KTO: beta / (4 B), B = 2), rounded down
+    INITIAL_FACTOR = 2.0**-7
+    LIMIT = 2.0**64  # a grad_output of 0, inf or beyond this leaves the value as it is
+
+    def __init__(self):
+        self.value, self.factor = self.INITIAL, self.INITIAL_FACTOR
+
+    def of(self, plan: Plan) -> float | None:
+        """The scale a forward of ``plan`` stores its gradients at; None: as they are (not fp16)."""
+        return self.value if plan.cdtype == torch.float16 else None
+
+    def saw_factors(self, largest: float) -> None:
+        """Follow the largest row factor ``|dL/dS|`` of an fp16 one-pass forward (the next one's long groups)."""
+        if 1.0 / self.LIMIT <= largest <= self.LIMIT:
+            self.factor = 2.0 ** math.floor(math.log2(largest))
+
+    def saw(self, grad_output: float) -> None:
+        """Follow the incoming gradient of an fp16 one-pass backward (GradScaler's current scale)."""
+        g = abs(grad_output)
+        if 1.0 / self.LIMIT <= g <= self.LIMIT:
+            self.value = 2.0 ** math.floor(math.log2(g))
+
+
+loss_scale = LossScale()  # one per process, as GradScaler's scale
 
 
 class Chunk(NamedTuple):
@@ -171,13 +221,15 @@ class OnePassLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden2d, weight, bias, sel: Selection, plan: Plan, schedule, grouped):
-        run = _Run(sel, weight, bias, plan, schedule, ctx.needs_input_grad[:3])
+        run = _Run(sel, weight, bias, plan, schedule, ctx.needs_input_grad[:3], loss_scale.of(plan))
         with no_autocast(hidden2d.device):
             for chunk in schedule[1]:
                 run.chunk(chunk, grouped)
             with torch.no_grad():
                 loss = grouped(run.sums)
-        ctx.grads, ctx.plan, ctx.has_bias = run.results(bias), plan, bias is not None
+        ctx.grads, ctx.plan, ctx.has_bias, ctx.scale = run.results(bias), plan, bias is not None, run.scale
+        if run.largest is not None:  # fp16
+            loss_scale.saw_factors(float(run.largest))
         ctx.sel = run.ordered._replace(hidden2d=None)  # the integer index tensors; hidden2d is saved below
         ctx.save_for_backward(hidden2d, weight, bias if bias is not None else weight.new_empty(0), run.lse, run.g_tok)
         ctx.mark_non_differentiable(run.sums)
@@ -191,28 +243,48 @@ class OnePassLoss(torch.autograd.Function):
                 "gradients are computed without building a graph; backward once, without create_graph"
             )
         grads, ctx.grads = ctx.grads, None  # hand the tensors over (no copy into .grad)
-        if grads is None:  # a second backward (retain_graph=True): recompute with the two-pass path
+        factor = float(grad_loss)  # a Python float: a half-precision gradient is scaled in fp32, rounded once
+        if ctx.scale is not None:  # fp16: stored at loss_scale's value (LossScale)
+            loss_scale.saw(factor)
+            if grads is not None and not _finite(grads):
+                grads = None  # overflowed at that scale: recompute as the two-pass path would, below
+        if grads is None:  # a second backward (retain_graph=True), or fp16 overflow: recompute with the two-pass path
             hidden2d, weight, bias, lse, g_tok = ctx.saved_tensors
+            if ctx.scale is not None:  # fp16: form them at the incoming scale, as the two-pass path does
+                g_tok, factor = g_tok * factor, 1.0
             with no_autocast(hidden2d.device):
                 grads = _twopass.backward_chunks(
                     ctx.sel._replace(hidden2d=hidden2d), weight, bias if ctx.has_bias else None, lse, g_tok,
                     ctx.plan, ctx.needs_input_grad[:3],
                 )  # fmt: skip
-        factor = float(grad_loss)  # a Python float: a half-precision gradient is scaled in fp32, rounded once
+        elif ctx.scale is not None:
+            factor /= ctx.scale  # a power of two: exact
         if factor != 1.0:
             grads = tuple(None if g is None else g.mul_(factor) for g in grads)
         return (*grads, None, None, None, None)
 
 
-class _Run:
-    """The state of one forward: the group-ordered tokens, the per-row sums, and the gradients made so far."""
+def _finite(grads) -> bool:
+    """Whether every stored gradient is finite: one fp32 sum each (no tensor of their size; a sum of finite fp16
+    entries cannot overflow fp32), one host sync."""
+    sums = [g.sum(dtype=torch.float32) for g in grads if g is not None]
+    return not sums or bool(torch.isfinite(torch.stack(sums)).all())
 
-    def __init__(self, sel: Selection, weight, bias, plan: Plan, schedule, needs):
+
+class _Run:
+    """The state of one forward: the group-ordered tokens, the per-row sums, and the gradients made so far, stored
+    at ``scale`` times their size (:class:`LossScale`; None: as they are, but in fp16)."""
+
+    def __init__(self, sel: Selection, weight, bias, plan: Plan, schedule, needs, scale: float | None = None):
         need_h, need_w, need_b = needs
         order = schedule[0]
         V, device = weight.shape[0], sel.hidden2d.device
         self.ordered = sel._replace(positions=sel.positions[order], labels=sel.labels[order], rows=sel.rows[order])
-        self.plan, self.bias = plan, bias
+        self.plan, self.bias, self.scale = plan, bias, scale
+        # fp16: a long group's sums are stored at the scale times the previous call's largest row factor (its own is
+        # not known until it ends), and their largest factor is recorded for the next call
+        self.pending = 1.0 if scale is None else scale * loss_scale.factor
+        self.largest = None
         n = self.ordered.positions.numel()
         self.sums = torch.zeros(sel.counts.shape[0], dtype=plan.mdtype, device=device)  # as two-pass
         self.lse = torch.empty(n, dtype=plan.mdtype, device=device)
@@ -240,12 +312,15 @@ class _Run:
         self.sums.index_add_(0, r, logp.to(self.sums.dtype))
         if c.pending is None:  # every group here is complete: its rows' factors are known
             g = grouped.gradient(self.sums, c.groups).to(plan.mdtype)
+            if self.scale is not None:
+                big = g.abs().max()
+                self.largest = big if self.largest is None else torch.maximum(self.largest, big)
             self.g_tok[s:e] = g.index_select(0, r)
             if c.finish:
                 self.long.finish(c.finish, g, self)
-            mult = -self.g_tok[s:e]
+            mult = -self.g_tok[s:e] if self.scale is None else self.g_tok[s:e] * -self.scale
         else:  # a long group's rows: factor -1 until it ends
-            mult = torch.full((e - s,), -1.0, dtype=plan.mdtype, device=gl.device)
+            mult = torch.full((e - s,), -self.pending, dtype=plan.mdtype, device=gl.device)
         # gl <- mult * (softmax - onehot) = grad_logits, in fp32 (one sweep), then one cast to the compute dtype
         # (half-precision mul(out=), scatter_ and exp(out=) are slow paths on CPU); Triton: both in one kernel;
         # tiles: both on one fp32 tile of rows at a time, from and into the half block
@@ -303,6 +378,8 @@ class _LongGroups:
         """The group ended: ``g`` holds its rows' factors."""
         for a, b, r in segments:
             run.g_tok[a:b] = g[r]
+        if run.scale is not None:  # the sums hold the factor -pending: scale them to the stored gradients' scale
+            g = g * (run.scale / run.pending)
         result = self.grad_w
         for r, p in self.w.items():  # the result itself may hold a row's sum: scale it before adding the others
             if p is result:
@@ -314,6 +391,7 @@ class _LongGroups:
         for r, bias_sum in self.b.items():
             run.grad_b.add_(bias_sum * g[r])
         for s, e, gh in self.h:
-            pos = run.ordered.positions[s:e]
-            run.grad_h.index_copy_(0, pos, (gh * run.g_tok[s:e].unsqueeze(1)).to(run.grad_h.dtype))
+            pos, g_h = run.ordered.positions[s:e], run.g_tok[s:e]
+            g_h = g_h if run.scale is None else g_h * (run.scale / run.pending)
+            run.grad_h.index_copy_(0, pos, (gh * g_h.unsqueeze(1)).to(run.grad_h.dtype))
         self.w, self.b, self.h = {}, {}, []
