@@ -10,20 +10,53 @@ import json
 import os
 import sys
 
+# What a status means for the user, printed under the table when a row has it (the README says the same).
+UNAVAILABLE_NOTE = (
+    "unavailable: TRL code that cannot run in this environment (the reason says why): no job can reach the bug "
+    "through it, so nothing is patched and the exit code leaves it out. If you train with it, fix what the reason "
+    "names first (TRL itself fails there too), then run status again."
+)
+
+
+def _liger_kernel(trl: str) -> str:
+    """``liger-kernel <version>`` (and TRL's minimum when below it), or ``liger-kernel not installed``."""
+    from liger_ddp_patch.engine import installed_version
+
+    version = installed_version("liger-kernel")
+    if version is None:
+        from importlib.util import find_spec
+
+        try:
+            found = find_spec("liger_kernel") is not None
+        except (ImportError, ValueError):
+            found = False
+        return "liger-kernel (version unreadable)" if found else "liger-kernel not installed"
+    minimum = getattr(sys.modules.get("trl.import_utils"), "LIGER_KERNEL_MIN_VERSION", None)  # read, never imported
+    try:
+        from packaging.version import Version
+
+        below = minimum is not None and Version(version) < Version(str(minimum))
+    except ValueError:  # InvalidVersion
+        below = False
+    return f"liger-kernel {version}" + (f" (below TRL {trl}'s minimum {minimum})" if below else "")
+
 
 def _status(as_json: bool) -> int:
     import liger_ddp_patch
-    from liger_ddp_patch.engine import FAILED, PENDING, UNSUPPORTED
+    from liger_ddp_patch.engine import FAILED, PENDING, UNAVAILABLE, UNSUPPORTED, installed_version
 
     rows = liger_ddp_patch.report(resolve=True)  # imports the trainer modules, so "pending" becomes a real answer
     if as_json:
         print(json.dumps([row.as_dict() for row in rows], indent=2))
     else:
-        version = next((r.version for r in rows if r.version), "not installed")
-        print(f"liger_ddp_patch {liger_ddp_patch.__version__}, TRL {version}\n")
+        version = next((r.version for r in rows if r.version), None) or installed_version("trl") or "not installed"
+        print(f"liger_ddp_patch {liger_ddp_patch.__version__}, TRL {version}, {_liger_kernel(version)}\n")
         width = max(len(r.name) for r in rows)
         for row in rows:
             print(f"{row.name:<{width}}  {row.status:<11}  {row.reason}")
+        if any(r.status == UNAVAILABLE for r in rows):
+            print(f"\n{UNAVAILABLE_NOTE}")
+    # non-zero only where the user must act: a patch that should apply and could not (unavailable code cannot run)
     bad = any(r.status in (UNSUPPORTED, FAILED, PENDING) for r in rows)
     return 1 if bad else 0
 
@@ -69,9 +102,21 @@ def _pth(action: str, site_dir: str | None) -> int:
     return 0
 
 
+def _trainers() -> str:
+    """The trainers the package fixes, from the specs (no torch): DPO, KTO, GKD, GOLD, Distillation and IW-OPD."""
+    from liger_ddp_patch.patches.trainers import SPECS
+
+    def label(spec) -> str:
+        short = spec.trainer.removesuffix("Trainer")  # DPO, Distillation; IWOPD is spelled from its name: IW-OPD
+        return spec.name.upper().replace("_", "-") if short.isupper() else short
+
+    names = [label(spec) for spec in SPECS]
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="liger-ddp-patch", description="Restore DDP gradient sync for TRL's Liger DPO/KTO path."
+        prog="liger-ddp-patch", description=f"Restore DDP gradient sync for TRL's Liger path of {_trainers()}."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     status = sub.add_parser("status", help="which patches apply to the installed TRL, and why the others do not")

@@ -11,14 +11,14 @@ import matrix
 import pytest
 from test_engine import record
 
-from liger_ddp_patch.engine import decide
+from liger_ddp_patch.engine import decide, decide_unimportable
 from liger_ddp_patch.patches import PATCHES
 
 FOUND, LOOKS_FIXED = "fakelib.Trainer.step", "step() no longer returns 'broken'"
 
 
 @pytest.mark.parametrize(
-    ("version", "target", "mismatch", "absent", "status", "reason"),
+    ("version", "target", "mismatch", "absent", "status", "reason"),  # absent: ("dep",); too old: ("dep 0.7 is ...",)
     [
         # a release we have read: its version decides
         ("1.12.0", FOUND, None, (), "applied", "step() fixed (fakelib.Trainer.step, fakelib 1.12.0 is affected)"),
@@ -28,6 +28,15 @@ FOUND, LOOKS_FIXED = "fakelib.Trainer.step", "step() no longer returns 'broken'"
         ("1.12.0", FOUND, LOOKS_FIXED, (), "unsupported", f"shape check failed: {LOOKS_FIXED}; left untouched"),
         ("1.12.0", None, None, (), "unsupported", "fakelib:Trainer.step not found in fakelib 1.12.0; left untouched"),
         ("1.12.0", None, None, ("optional_dep",), "not_needed", "optional_dep is not installed, so it never is"),
+        (
+            "1.12.0",
+            None,
+            None,
+            ("optional-dep 0.7.0 is below fakelib 1.12.0's minimum 0.8.0",),
+            "unavailable",
+            "not found in fakelib 1.12.0: optional-dep 0.7.0 is below fakelib 1.12.0's minimum 0.8.0, so fakelib does "
+            "not import it; nothing to patch",
+        ),
         # a version we have not read: the code's shape decides
         ("1.13.1", FOUND, None, (), "applied", "fakelib 1.13.1 is not a release we have verified, applied because"),
         ("1.13.1", FOUND, LOOKS_FIXED, (), "unsupported", "shape check failed"),
@@ -47,7 +56,34 @@ FOUND, LOOKS_FIXED = "fakelib.Trainer.step", "step() no longer returns 'broken'"
     ],
 )
 def test_gate(version, target, mismatch, absent, status, reason):
-    got = decide(record("fakelib"), version, target, mismatch, absent)
+    too_old = [a for a in absent if " is below " in a]
+    absent = [a for a in absent if a not in too_old]
+    got = decide(record("fakelib"), version, target, mismatch, absent, too_old)
+    assert got[0] == status and reason in got[1], got
+
+
+def test_a_dependency_both_absent_and_too_old_reads_absent():
+    """Only one of the two can be true at run time; absent is checked first (the engine asks for too_old only then)."""
+    got = decide(record("fakelib"), "1.12.0", None, None, ("dep",), ("dep 0.7.0 is below fakelib 1.12.0's minimum",))
+    assert got[0] == "not_needed", got
+
+
+ERROR = "fakelib.trainer is in fakelib 1.12.0 but cannot be imported here: ModuleNotFoundError: No module named 'x'"
+
+
+@pytest.mark.parametrize(
+    ("version", "overrides", "status", "reason"),
+    [
+        ("1.12.0", {}, "unavailable", f"{ERROR}; nothing to patch until it imports"),  # affected: we would patch it
+        ("1.13.1", {}, "unavailable", ERROR),  # not a release we have read: its shape would decide, it cannot run
+        ("1.14.0", {}, "not_needed", "fixed upstream in fakelib 1.14.0 (installed 1.14.0)"),  # the version says so
+        ("1.8.0", {}, "unavailable", ERROR),  # outside the range, not fixed: no patch to decide, and it cannot run
+        (None, {}, "unavailable", ERROR),
+    ],
+)
+def test_a_module_that_raises_on_import(version, overrides, status, reason):
+    """Installed but raising on import: not needed only where the version alone says so, else unavailable."""
+    got = decide_unimportable(record("fakelib", **overrides), version, ERROR)
     assert got[0] == status and reason in got[1], got
 
 

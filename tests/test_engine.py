@@ -334,3 +334,88 @@ def test_a_dunder_init_is_hooked_and_unpatch_restores_it(fakelib, monkeypatch):
     assert mod.Trainer.__dict__["__init__"] is original
     mod.Trainer(3)
     assert status(engine).runtime == {"Trainer": ["saw 1"], "Child": ["saw 2"]}
+
+
+# -- a module that cannot be imported, a dependency below the host's minimum (`liger-ddp-patch status`'s words) -----
+
+
+def resolved(module: str, version: str | None, monkeypatch, settings=None, **overrides) -> Engine:
+    """An engine on ``module`` that is never imported by hand: resolve_pending() imports it, as `status` does."""
+    monkeypatch.setattr(engine_mod, "installed_version", lambda dist: version)
+    engine = Engine([record(module, **overrides)], settings or Settings())
+    engine.install()
+    engine.resolve_pending()
+    return engine
+
+
+def test_a_module_that_raises_on_import_is_unavailable_with_its_error_and_where(fakelib, monkeypatch):
+    """Installed, but what it imports is missing (TRL 1.10's GOLD without ``requests``): ``unavailable``, with the
+    exception, the frame it came from, and the command that shows the whole traceback; strict mode does not raise
+    (nothing could be patched, and the host's own import fails the same way)."""
+    name = fakelib("import os\nimport liger_ddp_no_such_dependency  # line 2\n" + BROKEN)
+    engine = resolved(name, "1.12.0", monkeypatch, settings=Settings(strict=True))
+    got = status(engine)
+    assert (got.status, got.version) == ("unavailable", "1.12.0"), got
+    assert got.reason == (
+        f"{name} is in fakelib 1.12.0 but cannot be imported here: ModuleNotFoundError: No module named "
+        f"'liger_ddp_no_such_dependency' (raised at {name}.py:2); nothing to patch until it imports "
+        f"(the whole traceback: python -c 'import {name}')"
+    )
+
+
+def test_a_wrapped_import_error_shows_its_root_cause_not_the_wrapper(fakelib, monkeypatch):
+    """TRL's lazy modules re-raise an import failure as ``RuntimeError(... (look up to see its traceback) ...)``:
+    the reason gives the root cause (where a terminal line would show the traceback, `status` shows none)."""
+    inner = fakelib("def boom():\n    raise ValueError('the real cause,\\n on two lines')\n")
+    name = fakelib(
+        f"import {inner}\ntry:\n    {inner}.boom()\nexcept ValueError as e:\n"
+        "    raise RuntimeError('Failed to import (look up to see its traceback)') from e\n"
+    )
+    got = status(resolved(name, "1.12.0", monkeypatch))
+    assert got.status == "unavailable", got
+    assert "ValueError: the real cause, on two lines" in got.reason, got.reason
+    assert f"(raised at {inner}.py:2 <- {name}.py:3)" in got.reason, got.reason
+    assert "look up" not in got.reason and "RuntimeError" not in got.reason, got.reason
+
+
+def test_a_module_that_raises_on_a_release_fixed_upstream_is_not_needed(fakelib, monkeypatch):
+    """TRL 1.10's Distillation without ``requests``: fixed upstream in that release, whatever its import does."""
+    name = fakelib("import liger_ddp_no_such_dependency\n")
+    got = status(resolved(name, "1.14.0", monkeypatch))
+    assert (got.status, got.reason) == ("not_needed", "fixed upstream in fakelib 1.14.0 (installed 1.14.0)"), got
+
+
+def test_a_module_absent_from_the_release_is_not_needed(monkeypatch):
+    """No such module (IW-OPD before TRL 1.9, or no TRL at all): nothing to patch, and the reason says it is absent."""
+    name = f"fakelib_absent_{next(_counter)}"
+    got = status(resolved(f"{name}.trainer", "1.12.0", monkeypatch))
+    assert got.status == "not_needed", got
+    assert got.reason == (
+        f"{name}.trainer cannot be imported (No module named '{name}'): no such module installed; nothing to patch"
+    )
+
+
+def test_a_target_missing_because_a_dependency_is_below_the_hosts_minimum_is_unavailable(
+    fakelib, tmp_path, monkeypatch
+):
+    """TRL imports its Liger losses only when ``is_liger_kernel_available()`` (liger-kernel at or above TRL's
+    ``LIGER_KERNEL_MIN_VERSION``): the record names where the host keeps that minimum; the engine reads it (0.8.0
+    here) and compares the installed version. The control: at the minimum, the same missing target is unsupported."""
+    dep, config = f"fakedep_{next(_counter)}", f"fakecfg_{next(_counter)}"
+    (tmp_path / f"{dep}.py").write_text("")
+    (tmp_path / f"{config}.py").write_text("DEP_MIN_VERSION = '0.8.0'\n")
+    name = fakelib(f"import {config}\nclass Other:\n    pass\n")
+    for installed, expected in (("0.7.9", "unavailable"), ("0.8.0", "unsupported")):
+        versions = {"fakelib": "1.12.0", dep: installed}
+        monkeypatch.setattr(engine_mod, "installed_version", versions.get)
+        engine = Engine(
+            [record(name, requires=(dep,), requires_min=((dep, f"{config}:DEP_MIN_VERSION"),))], Settings(strict=False)
+        )
+        engine.install()
+        importlib.import_module(name)
+        got = status(engine)
+        assert got.status == expected, got
+        shown = dep.replace("_", "-")  # the distribution's normalised name
+        below = f"{shown} {installed} is below fakelib 1.12.0's minimum 0.8.0, so fakelib does not import it"
+        assert (below in got.reason) == (expected == "unavailable"), got.reason
+        engine.unpatch()

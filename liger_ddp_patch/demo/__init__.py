@@ -131,9 +131,33 @@ def main(argv: list[str] | None = None) -> int:
             if label == "patched":
                 # in sync, and every trainable parameter got a gradient (0 of 1 counted would also read "0 differing")
                 ok &= "error" not in result and result["differing"] == 0 and result["params"] == result["trainable"]
-    print("\npatches:", ", ".join(f"{s['name']}={s['status']}" for s in runs["patched"]["report"] or []))
     print(
-        f"took {time.monotonic() - started:.0f} s; "
-        + ("gradients in sync when patched" if ok else "PATCHED RUN NOT IN SYNC")
+        "\n" + "\n".join(closing(runs["patched"]["report"], args.trainers.split(","), ok, time.monotonic() - started))
     )
     return 0 if ok else 1
+
+
+def closing(report: list[dict] | None, trainers: list[str], ok: bool, seconds: float) -> list[str]:
+    """The demo's last lines: what the package did for the trainers that ran, the verdict, and what a user needs.
+
+    Only those trainers' patches are listed: the others' trainer modules were never imported by the probe, so their
+    records wait for that import ("pending"), which is what a real job would do too, not a problem to report.
+    """
+    mine = [s for s in report or [] if any(s["name"].startswith(f"{t}_") for t in trainers)]
+    by_status: dict[str, list[str]] = {}
+    for s in mine:
+        by_status.setdefault(s["status"], []).append(s["name"])
+    done = "; ".join(f"{', '.join(names)} {status}" for status, names in by_status.items())
+    lines = [f"patches for {', '.join(trainers)}: {done or 'none reported'}"]
+    if ok:
+        lines.append(f"took {seconds:.0f} s; gradients in sync when patched")
+        lines.append(
+            "in your job: `import liger_ddp_patch` in the training script, or "
+            "`liger-ddp-patch run -- torchrun ... train.py`; `liger-ddp-patch status` checks your TRL"
+        )
+    else:
+        lines.append(
+            f"took {seconds:.0f} s; PATCHED RUN NOT IN SYNC: the table says which trainer, `liger-ddp-patch status` "
+            "which patch did not apply"
+        )
+    return lines

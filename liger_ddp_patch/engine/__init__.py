@@ -8,9 +8,9 @@ keeps every decision as a :class:`Status`. Replacements record what they decide 
 The engine knows nothing about any particular library; the records never see wrapt.
 """
 
-from .decide import decide
+from .decide import decide, decide_unimportable
 from .hooks import Engine, installed_version
-from .records import APPLIED, DISABLED, FAILED, NOT_NEEDED, PENDING, UNSUPPORTED, Patch, PatchError, Status
+from .records import APPLIED, DISABLED, FAILED, NOT_NEEDED, PENDING, UNAVAILABLE, UNSUPPORTED, Patch, PatchError, Status
 
-__all__ = ["APPLIED", "DISABLED", "FAILED", "NOT_NEEDED", "PENDING", "UNSUPPORTED", "Engine", "Patch", "PatchError",
-           "Status", "decide", "installed_version"]  # fmt: skip
+__all__ = ["APPLIED", "DISABLED", "FAILED", "NOT_NEEDED", "PENDING", "UNAVAILABLE", "UNSUPPORTED", "Engine", "Patch",
+           "PatchError", "Status", "decide", "decide_unimportable", "installed_version"]  # fmt: skip

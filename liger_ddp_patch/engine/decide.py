@@ -8,17 +8,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .records import APPLIED, NOT_NEEDED, UNSUPPORTED, Patch
+from .records import APPLIED, NOT_NEEDED, UNAVAILABLE, UNSUPPORTED, Patch
 
 
 def decide(
-    record: Patch, version: str | None, target: str | None, mismatch: str | None, absent: Sequence[str] = ()
+    record: Patch,
+    version: str | None,
+    target: str | None,
+    mismatch: str | None,
+    absent: Sequence[str] = (),
+    too_old: Sequence[str] = (),
 ) -> tuple[str, str]:
     """``(status, reason)`` for ``record``.
 
     ``version``: the installed version of ``record.distribution`` (``None``: unreadable). ``target``: where the
     attribute was found (``None``: nowhere). ``mismatch``: the shape check's objection to it (``None``: it looks like
-    the code we fix). ``absent``: the modules of ``record.requires`` that are not installed.
+    the code we fix). ``absent``: the modules of ``record.requires`` that are not installed. ``too_old``: for those
+    installed below the host's minimum (``record.requires_min``), what says so.
     """
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
@@ -33,6 +39,8 @@ def decide(
 
     known = version in record.releases or str(parsed) in record.releases
     fixed = record.fixed_in is not None and parsed >= Version(record.fixed_in)
+    if record.covered_by and not fixed and parsed not in SpecifierSet(record.affected):
+        return NOT_NEEDED, f"{dist} {version} is before {record.affected}: {record.covered_by} handles it"
     if known and parsed not in SpecifierSet(record.affected):
         if fixed:
             return NOT_NEEDED, f"fixed upstream in {dist} {record.fixed_in} (installed {version})"
@@ -42,6 +50,8 @@ def decide(
         why = f"{record.target} not found in {dist} {version}"
         if absent:
             return NOT_NEEDED, f"{why}: {', '.join(absent)} is not installed, so it never is"
+        if too_old:  # the host imports the target only above that minimum: nothing of it runs here
+            return UNAVAILABLE, f"{why}: {'; '.join(too_old)}, so {dist} does not import it; nothing to patch"
         if fixed:
             return NOT_NEEDED, f"{why}; upstream fixed this in {record.fixed_in}"
         return UNSUPPORTED, f"{why}; left untouched"
@@ -60,3 +70,16 @@ def decide(
         f"{record.summary} ({target}); {dist} {version} is not a release we have verified, "
         "applied because the shape check matched the affected code"
     )
+
+
+def decide_unimportable(record: Patch, version: str | None, error: str) -> tuple[str, str]:
+    """``(status, reason)`` for ``record`` when its module is installed but raised on import (``error`` says how).
+
+    Not needed if the version alone says so (fixed upstream; another record covers the release); otherwise
+    unavailable: the host's code cannot run in this environment, so nothing can reach the bug through it and there is
+    nothing to patch until it imports (the hook decides then).
+    """
+    status, reason = decide(record, version, "(not imported)", None)  # as if found and shaped as we fix it
+    if status == NOT_NEEDED:
+        return status, reason
+    return UNAVAILABLE, f"{error}; nothing to patch until it imports"

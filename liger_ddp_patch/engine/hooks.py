@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from .. import log
 from ..settings import DISABLE, STRICT, Settings
-from .decide import decide
+from .decide import decide, decide_unimportable
 from .records import (
     APPLIED,
     DISABLED,
@@ -56,6 +56,82 @@ def _importable(module: str) -> bool:
         return find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+def _distribution_of(module: str) -> str:
+    """The (normalised) name of the distribution that installs top-level ``module`` (``liger_kernel``: liger-kernel)."""
+    from importlib import metadata
+
+    from packaging.utils import canonicalize_name
+
+    names = metadata.packages_distributions().get(module) or [module]
+    return canonicalize_name(names[0])
+
+
+def _below_minimum(record: Patch, version: str | None) -> list[str]:
+    """For each module of ``record.requires_min`` installed below the minimum the host declares: what says so."""
+    from packaging.version import InvalidVersion, Version
+
+    found = []
+    for module, where in record.requires_min:
+        host, _, attribute = where.partition(":")
+        minimum = getattr(sys.modules.get(host), attribute, None)  # the host imported it: no import of ours
+        installed = installed_version(module)
+        try:
+            below = bool(minimum and installed) and Version(installed) < Version(str(minimum))
+        except InvalidVersion:
+            below = False
+        if below:
+            found.append(
+                f"{_distribution_of(module)} {installed} is below {record.distribution} {version}'s minimum {minimum}"
+            )
+    return found
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during, outermost first."""
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return seen
+
+
+def _absent(module: str, exc: BaseException) -> bool:
+    """Did importing ``module`` fail because it (or a package above it) does not exist, rather than raise inside?"""
+    return any(
+        isinstance(e, ModuleNotFoundError) and e.name and (module == e.name or module.startswith(e.name + "."))
+        for e in _chain(exc)
+    )
+
+
+def _where(exc: BaseException, frames: int = 2) -> str:
+    """The last ``frames`` frames of ``exc``'s traceback outside the import machinery, as ``path:line`` (``path``
+    relative to its ``sys.path`` entry), innermost last."""
+    import os
+    import traceback
+
+    wrapt_importer = getattr(sys.modules.get("wrapt.importer"), "__file__", None) or "<none>"  # our hooks' loader
+    skip = (os.path.dirname(os.__file__) + os.sep + "importlib", os.path.dirname(__file__), wrapt_importer)
+    roots = sorted((p for p in sys.path if p), key=len, reverse=True)
+    shown = []
+    for frame in traceback.extract_tb(exc.__traceback__):
+        name = frame.filename
+        if name.startswith("<") or name.startswith(skip):
+            continue
+        root = next((r for r in roots if name.startswith(r.rstrip(os.sep) + os.sep)), None)
+        shown.append(f"{os.path.relpath(name, root) if root else name}:{frame.lineno}")
+    return " <- ".join(reversed(shown[-frames:]))
+
+
+def _import_error(module: str, version: str | None, distribution: str, exc: BaseException) -> str:
+    """What to say about ``module``, installed, raising on import: the root exception and where it came from."""
+    root = _chain(exc)[-1]
+    text = " ".join(str(root).split()) or "(no message)"
+    where = _where(root)
+    return f"{module} is in {distribution} {version} but cannot be imported here: {type(root).__name__}: {text}" + (
+        f" (raised at {where})" if where else ""
+    )
 
 
 def _resolve(module: Any, paths: Iterable[str]) -> tuple[Any, str, Any] | None:
@@ -141,7 +217,7 @@ class Engine:
         """Import every target module still pending, so the report says what would happen in a real run."""
         import importlib
 
-        errors: dict[str, str] = {}
+        errors: dict[str, BaseException] = {}
         for module in self._modules():
             if not any(self._status[n].status == PENDING for n, r in self.records.items() if module in r.module):
                 continue
@@ -149,14 +225,26 @@ class Engine:
                 importlib.import_module(module)
             except PatchError:
                 raise
-            except ImportError as exc:
-                errors[module] = f"{module} cannot be imported ({exc})"
-            except Exception as exc:  # the host library itself failed to import
-                errors[module] = f"importing {module} raised {type(exc).__name__}: {exc}"
+            except Exception as exc:  # absent, or present and raising (the host, or what it imports, is broken)
+                errors[module] = exc
         for name, record in self.records.items():
-            if self._status[name].status == PENDING:
-                why = "; ".join(errors.get(m, f"{m} was not imported") for m in record.module)
-                self._set(name, NOT_NEEDED, f"{why}; nothing to patch")
+            if self._status[name].status != PENDING:
+                continue
+            broken = [m for m in record.module if m in errors and not _absent(m, errors[m])]
+            if broken:  # installed, but its import raises: the host's code cannot run here
+                version = self._status[name].version = installed_version(record.distribution)
+                error = _import_error(broken[0], version, record.distribution, errors[broken[0]])
+                status, reason = decide_unimportable(record, version, error)
+                if status != NOT_NEEDED:  # the traceback itself is not shown: say how to see it
+                    reason += f" (the whole traceback: python -c 'import {broken[0]}')"
+                self._set(name, status, reason)
+                continue
+            why = "; ".join(
+                f"{m} cannot be imported ({errors[m]}): no such module installed" if m in errors
+                else f"{m} was not imported"
+                for m in record.module
+            )  # fmt: skip
+            self._set(name, NOT_NEEDED, f"{why}; nothing to patch")
 
     def _modules(self) -> list[str]:
         return list(dict.fromkeys(m for r in self.records.values() for m in r.module))
@@ -195,7 +283,8 @@ class Engine:
                 original = getattr(original, ORIGINAL)  # start again from the true original, so unpatch() restores it
             mismatch = record.check(original)
         absent = [m for m in record.requires if not _importable(m)] if found is None else []
-        status, reason = decide(record, version, target, mismatch, absent)
+        too_old = _below_minimum(record, version) if found is None and not absent else []
+        status, reason = decide(record, version, target, mismatch, absent, too_old)
         if status == APPLIED:
             self._swap(record, parent, attr, original)
             reason += "; took over from an earlier load of the package" if taken_over else ""

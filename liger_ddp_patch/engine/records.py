@@ -8,13 +8,14 @@ from typing import Any, NamedTuple
 # No dataclasses at import time: this module loads in every process the package reaches (benchmarks/README.md,
 # "Startup cost").
 
-APPLIED, PENDING, NOT_NEEDED, DISABLED, UNSUPPORTED, FAILED = (
+APPLIED, PENDING, NOT_NEEDED, DISABLED, UNSUPPORTED, FAILED, UNAVAILABLE = (
     "applied",
     "pending",
     "not_needed",
     "disabled",
     "unsupported",
     "failed",
+    "unavailable",  # the host's code for the patch cannot run here (its module fails to import, a dependency too old)
 )
 
 
@@ -44,6 +45,12 @@ class Patch(NamedTuple):
     # Modules without which the host never defines the target (it imports it only when they are importable):
     # a missing target is then "not needed", not "unsupported".
     requires: tuple[str, ...] = ()
+    # The record that handles the releases before ``affected`` (a known release there is "not needed" here).
+    covered_by: str = ""
+    # For a module of ``requires``: where the host keeps the lowest version of it that it imports the target with,
+    # ``(module, "host.module:ATTRIBUTE")``, read at run time. A missing target with that module installed below the
+    # minimum is then "unavailable" (the host left it undefined), not "unsupported".
+    requires_min: tuple[tuple[str, str], ...] = ()
 
     @property
     def target(self) -> str:
@@ -51,7 +58,8 @@ class Patch(NamedTuple):
 
 
 class Status:
-    """What happened to one patch: ``status`` is one of applied/pending/not_needed/disabled/unsupported/failed.
+    """What happened to one patch: ``status`` is one of applied/pending/not_needed/disabled/unsupported/failed/
+    unavailable.
 
     ``runtime`` holds what the installed patch decided while the program ran: per key (e.g. a trainer class), the
     distinct decisions in the order first seen.
