@@ -11,9 +11,10 @@ thread each on CPU), each on its own rows; a model whose LM head is real (Qwen2.
 896, tied to the embedding) over a small body (2 Qwen3 layers, intermediate 4,864, 14 heads, 2 KV heads).  Per rank:
 one DPO pair (2 sequences) or two KTO rows (plus their 2 KL rows), every sequence exactly ``L`` tokens, the first
 ``prompt`` fraction of it prompt (0 %: an empty prompt).  fp32: fp32 weights, ``bf16=False``; bf16: bf16 weights and
-``bf16=True`` (the loss then gets bf16 tensors).  SGD: AdamW's two fp32 states would add 8 bytes per parameter to every
-arm alike (1.3 GB per rank here).  Liger's Triton model kernels off in every arm (``liger_kernel_config``), so that
-the arms differ in the loss path only.
+``bf16=True`` (the loss then gets bf16 tensors); mixed: fp32 weights and ``bf16=True`` (TRL's default config on a
+full fine-tune: Liger-off and TRL 1.14 run their GEMMs under autocast, and so does the patched path).  SGD: AdamW's
+two fp32 states would add 8 bytes per parameter to every arm alike (1.3 GB per rank here).  Liger's Triton model
+kernels off in every arm (``liger_kernel_config``), so that the arms differ in the loss path only.
 
 Arms, each its own ``torchrun`` (its own processes), interleaved: for every configuration one launch per arm, the
 order rotated every round.
@@ -51,10 +52,12 @@ ROOT = HERE.parent
 TRL_DIRS = Path(os.environ.get("LIGER_DDP_PATCH_TRL_DIRS", ROOT / ".cache" / "trl"))
 ARMS = ("patched", "off", "trl114", "unpatched")
 # beyond the default arms: the package with the loss's Triton sweep (LIGER_DDP_PATCH_LOSS=sweep=triton; a GPU's)
-EXTRA_ARMS = ("patched_triton",)
-TRL_OF = {"patched": "1.12.0", "patched_triton": "1.12.0", "off": "1.12.0", "trl114": "1.14.0", "unpatched": "1.12.0"}
+# and the package without the routed autocast (LIGER_DDP_PATCH_LOSS=autocast=0: TRL 1.9-1.13's precision)
+EXTRA_ARMS = ("patched_triton", "patched_noautocast")
+TRL_OF = {"patched": "1.12.0", "patched_triton": "1.12.0", "patched_noautocast": "1.12.0", "off": "1.12.0",
+          "trl114": "1.14.0", "unpatched": "1.12.0"}  # fmt: skip
 TRAINERS = ("dpo", "kto")
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "mixed")
 PROMPTS = (0.5, 0.0)
 LENGTHS = (512, 2048)
 # The Qwen2.5-0.5B head over a 2-layer body.
@@ -174,7 +177,7 @@ def worker(args) -> None:
             per_device_train_batch_size=batch,
             max_steps=steps,
             max_length=args.length,
-            bf16=args.dtype == "bf16",
+            bf16=args.dtype in ("bf16", "mixed"),
             optim="sgd",
             learning_rate=1e-4,
             logging_steps=1,
@@ -368,6 +371,8 @@ def arm_env(arm: str, threads: int, paths: dict, environ=None) -> dict:
         env["LIGER_DDP_PATCH_DISABLE"] = "1"
     if arm == "patched_triton":
         env["LIGER_DDP_PATCH_LOSS"] = "sweep=triton"
+    if arm == "patched_noautocast":
+        env["LIGER_DDP_PATCH_LOSS"] = "autocast=0"
     return env
 
 

@@ -31,6 +31,7 @@ class LossOptions(NamedTuple):
     one_pass: bool | None = None
     token_chunk_size: int | None = None
     sweep: str | None = None
+    autocast: bool | None = None  # the routed Liger path under the Trainer's mixed-precision autocast (default: on)
 
     def overrides(self) -> dict:
         """The keyword arguments of ``ChunkedDPOLoss`` / ``ChunkedKTOLoss`` that the variable sets."""
@@ -40,7 +41,8 @@ class LossOptions(NamedTuple):
         one_pass = "1 (default)" if self.one_pass is None else str(int(self.one_pass))
         chunk = "auto (default)" if self.token_chunk_size is None else str(self.token_chunk_size)
         sweep = "eager (default)" if self.sweep is None else self.sweep
-        return f"one_pass={one_pass}, token_chunk_size={chunk}, sweep={sweep}"
+        autocast = "1 (default)" if self.autocast is None else str(int(self.autocast))
+        return f"one_pass={one_pass}, token_chunk_size={chunk}, sweep={sweep}, autocast={autocast}"
 
 
 class Settings(NamedTuple):
@@ -126,7 +128,8 @@ def _parse_disable(raw: str, known: frozenset[str]) -> tuple[bool, frozenset[str
 _LOSS_USAGE = (
     f"expected comma-separated key=value: one_pass=0|1 (0: the two-pass loss, no gradient held from the forward to "
     f"the backward), token_chunk_size=<positive integer> (loss tokens per chunk), sweep=eager|triton (triton: "
-    f"the softmax and gradient sweep as Triton kernels, CUDA only), e.g. "
+    f"the softmax and gradient sweep as Triton kernels, CUDA only), autocast=0|1 (0: TRL's Liger path without the "
+    f"Trainer's mixed-precision autocast, as TRL 1.9-1.13 run it), e.g. "
     f"{LOSS}=one_pass=0,token_chunk_size=1024"
 )
 
@@ -142,7 +145,7 @@ def parse_loss(raw: str) -> LossOptions:
         key = key.lower()
         if not sep or key not in LossOptions._fields:
             _warn(f"{LOSS}={raw!r}: {part!r} is not a known key=value; {_LOSS_USAGE}. Ignoring {part!r}.")
-        elif key == "one_pass" and value.lower() in _TRUE | _FALSE - {""}:
+        elif key in ("one_pass", "autocast") and value.lower() in _TRUE | _FALSE - {""}:
             options[key] = value.lower() in _TRUE
         elif key == "token_chunk_size" and value.isdigit() and int(value) > 0:
             options[key] = int(value)

@@ -135,7 +135,16 @@ class MixedTrainer(Trainer):
     def __init__(self, precision="bf16", ref_model=None, precompute=False, teacher_model=None, tf32=None):
         self.ref_model, self.teacher_model = ref_model, teacher_model
         self.args = type("Args", (), {"precompute_ref_log_probs": precompute, "tf32": tf32})()
-        self.accelerator = type("Acc", (), {"mixed_precision": precision, "unwrap_model": staticmethod(lambda m: m)})()
+        self.accelerator = type(
+            "Acc",
+            (),
+            {
+                "mixed_precision": precision,
+                "native_amp": precision != "no",
+                "unwrap_model": staticmethod(lambda m: m),
+                "autocast": staticmethod(lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+            },
+        )()
 
 
 @pytest.mark.parametrize(
@@ -179,7 +188,10 @@ def test_lora_adapters_in_fp32_do_not_make_a_bf16_model_fp32():
     assert pitfalls.mostly_fp32(tiny(False, None))
 
 
-def test_a_routed_call_with_an_fp32_reference_warns_once_with_the_fix(process_group, records):
+def test_a_routed_call_with_an_fp32_reference_warns_once_with_the_fix(process_group, records, monkeypatch):
+    """With the autocast opt-out (``LIGER_DDP_PATCH_LOSS=autocast=0``) TRL's Liger path runs the float32 reference
+    outside autocast: warned, with the fixes."""
+    monkeypatch.setenv("LIGER_DDP_PATCH_LOSS", "autocast=0")
     ddp = nn.parallel.DistributedDataParallel(tiny(False, None).to(torch.bfloat16))
     engine = RecordingEngine()
     replaced = compute_loss.replacer(DPO)(lambda self, model, inputs, *_: torch.zeros(()), engine)
@@ -190,7 +202,7 @@ def test_a_routed_call_with_an_fp32_reference_warns_once_with_the_fix(process_gr
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
     for words in ("MixedTrainer runs in bf16 mixed precision", "reference model is float32", "outside the autocast",
-                  "dtype=torch.bfloat16", "tf32=True"):  # fmt: skip
+                  "drop autocast=0", "dtype=torch.bfloat16", "tf32=True"):  # fmt: skip
         assert words in warnings[0], warnings[0]
     assert ("dpo_compute_loss", "MixedTrainer", pitfalls.FP32_NOTE) in engine.notes, engine.notes
 
@@ -205,3 +217,22 @@ def test_a_routed_call_with_a_bf16_reference_stays_silent(process_group, records
     replaced(trainer, ddp, {}, False, None)
     assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
     assert all(pitfalls.FP32_NOTE not in n for n in engine.notes), engine.notes
+
+
+def test_by_default_the_routed_call_runs_under_autocast_and_stays_silent(process_group, records):
+    """The default: the routed original runs inside the accelerator's autocast (as TRL 1.14's fix does), so the float32
+    reference's GEMMs run in bf16 and there is nothing to warn about; the decision says so."""
+    ddp = nn.parallel.DistributedDataParallel(tiny(False, None).to(torch.bfloat16))
+    engine = RecordingEngine()
+    seen = []
+
+    def original(self, model, inputs, *_):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return torch.zeros(())
+
+    replaced = compute_loss.replacer(DPO)(original, engine)
+    trainer = MixedTrainer("bf16", tiny(False, None))
+    replaced(trainer, ddp, {}, False, None)
+    assert seen == [True]
+    assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
+    assert engine.notes[-1][2].endswith("under bf16 autocast"), engine.notes

@@ -170,11 +170,19 @@ def prompt_rows(rank: int, n: int = 32) -> list[dict]:
     ]
 
 
+STEPPED = "_stepped"  # a key of _watch_losses' record: set at the first optimizer step
+
+
 def _watch_losses(seen: dict) -> object:
-    """Note the dtypes and autocast state each DPO/KTO loss module sees (to show which precision really ran)."""
+    """Note the dtypes and autocast state each DPO/KTO loss module sees, and the dtypes the Linear layers (the decoders'
+    GEMMs) put out (to show which precision really ran)."""
 
     def hook(module, args, kwargs, output):  # the global *post* hook sees keywords too (KTO passes them all so)
         name = type(module).__name__
+        if name == "Linear" and torch.is_tensor(output) and STEPPED not in seen:  # the first training step's GEMMs
+            linear = seen.setdefault("Linear outputs", [])
+            if str(output.dtype) not in linear:
+                linear.append(str(output.dtype))
         if name.endswith(("DPOLoss", "KTOLoss")):
             tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a) and a.is_floating_point()]
             seen.setdefault(
@@ -386,8 +394,11 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
     if arm == "fused":
         keep_fused(trainer, spec)
 
+    seen: dict = {}
+
     class GradProbe(TrainerCallback):
         def on_pre_optimizer_step(self, _args, state, control, **kwargs):
+            seen[STEPPED] = True  # the Linear outputs noted are the first training step's (not an evaluation's)
             model = trainer.accelerator.unwrap_model(trainer.model)
             if dist.is_initialized():
                 mean: dict = {}
@@ -403,7 +414,6 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
 
     trainer.add_callback(GradProbe())
     result["callbacks"] = [type(c).__name__ for c in trainer.callback_handler.callbacks]  # e.g. the sync verifier
-    seen: dict = {}
     handle = _watch_losses(seen)
     saved = os.environ.get(LOSS_VARIABLE)
     if args.loss_options:  # read by the loss swap, the first time the trainer computes a loss under DDP
@@ -417,6 +427,7 @@ def run_one(name: str, assets: str, args, arm: str = "liger") -> dict:
             os.environ.pop(LOSS_VARIABLE, None)
         else:
             os.environ[LOSS_VARIABLE] = saved
+    seen.pop(STEPPED, None)
     result["loss_saw"] = seen
     result["history"] = trainer.state.log_history
     result["evals"] = [h for h in trainer.state.log_history if "eval_loss" in h]

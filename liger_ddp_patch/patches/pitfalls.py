@@ -8,9 +8,11 @@ that is not a ``PreTrainedModel``). With *reentrant* gradient checkpointing, DDP
 never enters ``DistributedDataParallel.forward``, so the same job "ran" without synchronising its gradients; routed
 through the wrapper, it reaches DDP's check.
 
-2. A float32 model under bf16/fp16 mixed precision. TRL's Liger path calls the decoders (``model.base_model``,
-``ref_model.base_model``; the distillation trainers' teacher's) directly, never the forward that Accelerate wraps in
-autocast, with or without this package: a float32 model's GEMMs then run in float32. TRL loads a reference model it
+2. A float32 model under bf16/fp16 mixed precision with ``LIGER_DDP_PATCH_LOSS=autocast=0``. TRL 1.9-1.13's Liger
+path calls the decoders (``model.base_model``, ``ref_model.base_model``; the distillation trainers' teacher's)
+directly, never the forward that Accelerate wraps in autocast: a float32 model's GEMMs then run in float32. The routed
+path runs under the accelerator's autocast by default (``compute_loss.autocast_precision``), so this warning is for
+the opt-out only. TRL loads a reference model it
 builds itself in float32 (its ``model_init_kwargs`` dtype default), so a full fine-tune with a bf16 policy gets one.
 Measured on an H200 (``benchmarks/gpu_check.py``, ``gpu_profile.py``): a routed KTO step took 3.35 s with that
 float32 reference against 1.69 s with a bf16 one (1.85 s with ``use_liger_kernel=False``), DPO 2.25 s against 1.52 s
@@ -67,11 +69,12 @@ def warn(wrapper: Any, model: Any) -> str | None:
 
 
 FP32_MESSAGE = (
-    "liger_ddp_patch: %s runs in %s mixed precision, but its %s float32. TRL's Liger path calls the decoders "
-    "directly, outside the autocast that Accelerate wraps around forward (with or without this package), so those "
-    "GEMMs run in float32: on an H200 this made a KTO step 2x slower, and slower than use_liger_kernel=False. TRL "
-    "loads a reference model it builds itself in float32. Fix: pass ref_model=AutoModelForCausalLM.from_pretrained"
-    "(..., dtype=torch.bfloat16) (load the model and a teacher the same way), or set tf32=True."
+    "liger_ddp_patch: %s runs in %s mixed precision, but its %s float32 and LIGER_DDP_PATCH_LOSS=autocast=0 keeps "
+    "TRL's Liger path outside the autocast that Accelerate wraps around forward, so those GEMMs run in float32: on an "
+    "H200 this made a KTO step 2x slower, and slower than use_liger_kernel=False. TRL loads a reference model it "
+    "builds itself in float32. Fix: drop autocast=0 (the default runs the path under autocast, as TRL 1.14 does), "
+    "pass ref_model=AutoModelForCausalLM.from_pretrained(..., dtype=torch.bfloat16) (load the model and a teacher "
+    "the same way), or set tf32=True."
 )
 FP32_NOTE = "a float32 model under mixed precision runs float32 GEMMs in TRL's Liger path (warned)"
 
