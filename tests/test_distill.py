@@ -335,20 +335,48 @@ def test_deepspeed_zero2_is_trls_code_bit_for_bit(tiny_small, tmp_path):
         assert decisions and all(d == "DeepSpeedEngine: left to TRL" for d in decisions), decisions
 
 
-def test_table(launches, capsys):
-    """The numbers for the closing note (run with -s to see them)."""
+@pytest.mark.parametrize("version", [*RELEASES, *(FULL_RELEASES if FULL else ())])
+def test_table(launches, capsys, version):
+    """The numbers for the closing note (run with -s to see them), and what each row must say (README, "How we
+    know"): patched, every trainable parameter counted and none differing; unpatched, what the release does to that
+    config (every parameter differs where TRL never routes the student, LoRA's B half; TRL's crash where its head is
+    used outside DDP's forward with find_unused; 0 where the package leaves TRL's code to run); within BOUND of TRL's
+    own Liger loss (the unpatched ranks' mean; "-" exactly where TRL's own run crashed) and of Liger-off, except where
+    a liger_settings fact makes TRL's Liger loss differ from Liger-off (then beyond it)."""
+    release_ = release(version)
     rows = [f"{'TRL':<7} {'config':<26} {'params':>6} {'unpatched':>10} {'patched':>7} {'vs TRL':>8} {'vs off':>8}"]
-    for version, config in CASES:
-        folder, patched, unpatched = launches(version)
+    wrong = []
+    folder, patched, unpatched = launches(version)
+    for config in {**RELEASES, **FULL_RELEASES}[version]:
         control, ours = result(unpatched, config), result(patched, config)
-        release_ = release(version)
-        mean = folder / f"u.{config}.mean.pt"
-        vs_trl = relative(grads(folder, f"p.{config}"), grads(folder, f"u.{config}.mean")) if mean.exists() else None
-        vs_off = relative(grads(folder, f"p.{config}"), grads(folder, f"p.{config}.off"))
-        before = "crash" if "error" in control else control["differing"]
-        rows.append(
-            f"{release_:<7} {config:<26} {ours['params']:>6} {before:>10} {ours['differing']:>7} "
-            f"{'-' if vs_trl is None else f'{vs_trl:.1e}':>8} {vs_off:>8.1e}"
+        mean, ran = folder / f"u.{config}.mean.pt", "error" not in ours  # a patched run that failed saved nothing
+        vs_trl = (
+            relative(grads(folder, f"p.{config}"), grads(folder, f"u.{config}.mean")) if ran and mean.exists() else None
         )
+        vs_off = relative(grads(folder, f"p.{config}"), grads(folder, f"p.{config}.off")) if ran else float("nan")
+        before = "crash" if "error" in control else control["differing"]
+        row = (
+            f"{release_:<7} {config:<26} {ours.get('params', '-'):>6} {before:>10} "
+            f"{ours.get('differing', 'crash'):>7} {'-' if vs_trl is None else f'{vs_trl:.1e}':>8} {vs_off:>8.1e}"
+        )
+        rows.append(row)
+        count = params_of(config)
+        if not routed(release_, config):
+            expected_before = 0  # TRL's code runs, in sync
+        elif head_outside(release_):
+            expected_before = "crash"  # "Expected to mark a variable ready only once"
+        else:
+            expected_before = count // 2 if "lora" in config else count
+        off_ok = vs_off > BOUND if differs_from_off(release_, config) else vs_off <= BOUND
+        synced = (ours.get("params"), ours.get("differing")) == (count, 0)
+        checks = {
+            "patched: every parameter counted, none differing": synced,
+            f"unpatched: {expected_before}": before == expected_before,
+            "vs TRL: '-' exactly where TRL crashed": not ran or (vs_trl is None) == (before == "crash"),
+            f"vs TRL within {BOUND:.0e}": vs_trl is None or vs_trl <= BOUND,
+            "vs Liger-off: within the bound, or beyond it where a fact applies": off_ok,
+        }
+        wrong += [f"{config}: {what}" + ("" if ran else f" ({ours['error']})") for what, ok in checks.items() if not ok]
     with capsys.disabled():
         print("\n" + "\n".join(rows))
+    assert not wrong, wrong
