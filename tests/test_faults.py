@@ -51,7 +51,10 @@ def test_reload_then_unpatch_restores_trls_own_functions():
         "assert all(c.__dict__['compute_loss'] is f for c, f in trl_own.items()), 'unpatch() left our wrapper'\n"
     )
     rows = statuses(python(code + REPORT))
-    assert {row["status"] for name, row in rows.items() if name.startswith(("dpo_", "kto_"))} == {"disabled"}
+    ours = {name: row["status"] for name, row in rows.items() if name.startswith(("dpo_", "kto_"))}
+    # every patch that was applied is removed; the 1.14.x records were never applied to this TRL (1.12)
+    assert {s for name, s in ours.items() if not name.endswith("_compiled_ddp")} == {"disabled"}
+    assert {s for name, s in ours.items() if name.endswith("_compiled_ddp")} == {"not_needed"}
     # GKD/GOLD/Distillation live in trl.experimental, which `from trl import DPOTrainer` never imports
     assert {row["status"] for name, row in rows.items() if not name.startswith(("dpo_", "kto_"))} == {"pending"}
 

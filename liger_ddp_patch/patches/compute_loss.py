@@ -286,7 +286,8 @@ def replacer(spec: TrainerSpec, compiled_only: bool = False) -> Callable[[Any, A
             if found and compiled_only and not found.how:
                 found, decision = None, f"TRL routes {type(model).__name__} itself: left to TRL"
             if found and head_only and not found.how:
-                found, decision = head_route(found.ddp, found.inner)
+                routed, decision = head_route(found.ddp, found.inner)
+                found = found if routed else None
             trainer = type(self).__name__
             if not found:
                 engine.note(name, trainer, decision)
