@@ -165,15 +165,15 @@ def test_demo_prints_the_before_after_table():
 def test_status_shows_the_loss_options_and_says_what_is_wrong_with_them():
     """``LIGER_DDP_PATCH_LOSS``: the options the DDP swap will use, on the two chunked-loss rows (text and JSON); a bad
     value warns with what to write instead and falls back to the default."""
-    proc = cli("status", env={"LIGER_DDP_PATCH_LOSS": "one_pass=0,token_chunk_size=512,sweep=triton"})
+    proc = cli("status", env={"LIGER_DDP_PATCH_LOSS": "one_pass=0,token_chunk_size=512,sweep=triton,autocast=0"})
     lines = [line for line in proc.stdout.splitlines() if "LIGER_DDP_PATCH_LOSS" in line]
     assert [line.split()[0] for line in lines] == ["dpo_chunked_loss", "kto_chunked_loss"], proc.stdout
-    said = "loss options (LIGER_DDP_PATCH_LOSS): one_pass=0, token_chunk_size=512, sweep=triton"
+    said = "loss options (LIGER_DDP_PATCH_LOSS): one_pass=0, token_chunk_size=512, sweep=triton, autocast=0"
     assert all(line.endswith(said) for line in lines), proc.stdout
     proc = cli("status", "--json", env={"LIGER_DDP_PATCH_LOSS": "token_chunk_size=-1"})
     rows = {row["name"]: row for row in json.loads(proc.stdout)}
     assert rows["dpo_chunked_loss"]["reason"].endswith(
-        "one_pass=1 (default), token_chunk_size=auto (default), sweep=eager (default)"
+        "one_pass=1 (default), token_chunk_size=auto (default), sweep=eager (default), autocast=1 (default)"
     )
     assert "SettingsWarning: LIGER_DDP_PATCH_LOSS='token_chunk_size=-1': token_chunk_size='-1' is not valid" in (
         proc.stderr

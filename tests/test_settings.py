@@ -129,13 +129,21 @@ def test_bad_loss_options_warn_and_keep_the_defaults(fresh_loss_parse, value, ba
     message = str(caught[0].message)
     assert message.startswith(f"LIGER_DDP_PATCH_LOSS={value!r}: {bad}"), message
     assert "one_pass=0|1" in message and "token_chunk_size=<positive integer>" in message  # what to write instead
-    assert "sweep=eager|triton" in message
+    assert "sweep=eager|triton" in message and "autocast=0|1" in message
 
 
 def test_loss_options_describe_the_defaults():
-    defaults = "one_pass=1 (default), token_chunk_size=auto (default), sweep=eager (default)"
+    defaults = "one_pass=1 (default), token_chunk_size=auto (default), sweep=eager (default), autocast=1 (default)"
     assert settings.LossOptions().describe() == defaults
-    assert settings.LossOptions(False, 512, "triton").describe() == "one_pass=0, token_chunk_size=512, sweep=triton"
+    set_all = "one_pass=0, token_chunk_size=512, sweep=triton, autocast=0"
+    assert settings.LossOptions(False, 512, "triton", False).describe() == set_all
+
+
+def test_autocast_option_is_read_and_never_reaches_the_losses():
+    """``autocast=0`` is for the routed path (patches/compute_loss.py), not a keyword of our losses: the swap passes
+    only the keys our loss accepts (tests below)."""
+    assert settings.parse_loss("autocast=0").autocast is False
+    assert settings.parse_loss("autocast=1,one_pass=0").overrides() == {"autocast": True, "one_pass": False}
 
 
 @pytest.mark.parametrize(
@@ -179,6 +187,9 @@ def test_status_shows_the_loss_options(fresh_loss_parse, monkeypatch):
     rows = {row.name: row for row in liger_ddp_patch.report()}
     for name in ("dpo_chunked_loss", "kto_chunked_loss"):
         if rows[name].status in ("applied", "pending"):
-            expected = "(LIGER_DDP_PATCH_LOSS): one_pass=0, token_chunk_size=auto (default), sweep=eager (default)"
+            expected = (
+                "(LIGER_DDP_PATCH_LOSS): one_pass=0, token_chunk_size=auto (default), sweep=eager (default), "
+                "autocast=1 (default)"
+            )
             assert rows[name].reason.endswith(expected)
     assert "LIGER_DDP_PATCH_LOSS" not in rows["dpo_compute_loss"].reason
