@@ -163,6 +163,7 @@ class GradientSyncVerifier(TrainerCallback):
         self.rtol = rtol
         self.checked_steps: list[int] = []
         self._warned = False
+        self._said = False  # the first check that held logged it at INFO
 
     def _sharded(self, args) -> bool:
         return bool(getattr(args, "fsdp", None)) or bool(getattr(args, "deepspeed", None))
@@ -200,12 +201,13 @@ class GradientSyncVerifier(TrainerCallback):
             raise GradientDesyncError(describe(names, bad, world, step), [names[i] for i in sorted(bad)], ranks, step)
         if dist.get_rank() == 0:
             package_log.get().log(
-                logging.INFO if len(self.checked_steps) <= 1 else logging.DEBUG,  # the first check says it held
+                logging.DEBUG if self._said else logging.INFO,  # the first check says it held
                 "liger_ddp_patch: gradients in sync across %d ranks at step %s (%d parameters)",
                 world,
                 step,
                 len(named),
             )
+            self._said = True
 
 
 class FirstStepCheck(GradientSyncVerifier):
