@@ -65,8 +65,8 @@ LINES: tuple[Line, ...] = (
     Line("1.13.0", "trl.losses (vendored; DPO also passes label_smoothing and discopop_tau)", _UNSYNCED, "unsynced"),
     Line("1.14.0", "none built: DPO and KTO compute chunked log-probs themselves (TRL #7243)",
          "nothing under plain DDP: the guard redirects whenever `model is not unwrapped_model` (TRL #7247); with "
-         "`torch_compile=True` that test is false (accelerate unwraps a compiled model to itself) and every rank trains "
-         "its own model (`tests/test_compile.py`)", "synced"),
+         "`torch_compile=True` that test is false (accelerate unwraps a compiled model to itself) and every rank "
+         "trains its own model (`tests/test_compile.py`)", "synced"),
     Line("1.15.0", _DEPRECATED,
          "nothing for this package (fixed upstream in TRL 1.14.0); on a CPU-only machine its Liger path stops in "
          "Liger's Triton kernels (`RuntimeError: 0 active drivers`), with or without the package", "synced"),
