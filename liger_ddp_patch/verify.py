@@ -146,6 +146,11 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _several_ranks() -> bool:
+    """A process group of two or more ranks: something to compare."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _comm_device() -> torch.device:
     backend = str(dist.get_backend()).lower()
     if "nccl" in backend and "gloo" not in backend:
@@ -171,7 +176,7 @@ class GradientSyncVerifier(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if model is None or state.global_step % self.every:
             return
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        if not _several_ranks():
             return
         if self._sharded(args):  # FSDP/DeepSpeed shard gradients: ranks legitimately hold different values
             if not self._warned:
@@ -229,7 +234,7 @@ class FirstStepCheck(GradientSyncVerifier):
         if self.done or model is None:
             return
         self.done = True
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2 or self._sharded(args):
+        if not _several_ranks() or self._sharded(args):
             return
         try:
             self.check(model, state.global_step)

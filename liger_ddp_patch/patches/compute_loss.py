@@ -91,11 +91,8 @@ def _owner(func: Any) -> Any:
     return owner if isinstance(owner, type) else None
 
 
-def shape(original: Any, names: tuple[str, ...] | None = None) -> tuple[str | None, str]:
-    """``(shape name, "")`` when ``original`` is a compute_loss we know how to fix, else ``(None, why not)``.
-
-    ``names``: only these keys of :data:`SHAPES` (a spec's own shapes); default every one.
-    """
+def _source(original: Any) -> tuple[str | None, str]:
+    """``(source, "")`` of a compute_loss with TRL's signature, else ``(None, why its shape cannot be checked)``."""
     if not callable(original):
         return None, f"compute_loss is a {type(original).__name__}, not a function"
     if _shape.parameters(original) != _SIGNATURE:
@@ -103,6 +100,17 @@ def shape(original: Any, names: tuple[str, ...] | None = None) -> tuple[str | No
     source = _shape.source_of(original)
     if source is None:
         return None, "the source of compute_loss is not available, so its shape cannot be verified"
+    return source, ""
+
+
+def shape(original: Any, names: tuple[str, ...] | None = None) -> tuple[str | None, str]:
+    """``(shape name, "")`` when ``original`` is a compute_loss we know how to fix, else ``(None, why not)``.
+
+    ``names``: only these keys of :data:`SHAPES` (a spec's own shapes); default every one.
+    """
+    source, why = _source(original)
+    if source is None:
+        return None, why
     if _LIGER_HELPER in source:
         helper = getattr(_owner(original), "_compute_liger_loss", None)
         source += " " + (_shape.source_of(helper) or "")
@@ -132,14 +140,8 @@ def shape(original: Any, names: tuple[str, ...] | None = None) -> tuple[str | No
 
 def compiled_checker(original: Any) -> str | None:
     """The shape check of a TRL 1.14.x compute_loss: upstream's identity-tested redirect (:data:`COMPILED_HOLE`)."""
-    if not callable(original):
-        return f"compute_loss is a {type(original).__name__}, not a function"
-    if _shape.parameters(original) != _SIGNATURE:
-        return f"compute_loss takes {_shape.parameters(original)}, expected {_SIGNATURE}"
-    source = _shape.source_of(original)
-    if source is None:
-        return "the source of compute_loss is not available, so its shape cannot be verified"
-    return _shape.missing(source, COMPILED_HOLE)
+    source, why = _source(original)
+    return why if source is None else _shape.missing(source, COMPILED_HOLE)
 
 
 def checker(spec: TrainerSpec) -> Callable[[Any], str | None]:
