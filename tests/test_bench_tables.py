@@ -1,0 +1,399 @@
+"""benchmarks/README.md's current tables say what the raw files they quote say.
+
+Every table under "## Current figures" names where its numbers come from: a link into ``benchmarks/results/`` in
+its caption (the text since the heading or table before it) or, in the whole-step table, in each row's ``raw`` cell.
+Such a table is read back here, cell by cell, from that file: the JSON a run wrote (``bench_step.py --json``,
+``gpu_check.py``, ``gpu_profile.py``) or the tables a run printed (``bench_losses.py``, ``bench_sweeps.py``), each
+value rounded to the digits the README prints. A table without a raw file says "(no raw file kept)". No torch here:
+plain ``json`` and ``re``, a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+README = BENCH / "README.md"
+HISTORY = BENCH / "HISTORY.md"
+NO_RAW = "(no raw file kept)"
+LINK = re.compile(r"\]\((results/[^)\s]+)\)")
+
+
+class Table:
+    def __init__(self, line: int, caption: str, header: list[str], rows: list[tuple[int, list[str]]]):
+        self.line, self.caption, self.header, self.rows = line, caption, header, rows
+
+    def name(self) -> str:
+        return f"benchmarks/README.md:{self.line} (| {' | '.join(self.header[:4])} | ...)"
+
+
+def split_row(line: str) -> list[str]:
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
+def tables(text: str, first_line: int = 1) -> list[Table]:
+    """Markdown tables in ``text``, each with its caption: the lines since the last heading or table."""
+    found, caption, lines = [], [], text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("|") and i + 1 < len(lines) and re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", lines[i + 1].strip()):
+            rows, j = [], i + 2
+            while j < len(lines) and lines[j].startswith("|"):
+                rows.append((first_line + j, split_row(lines[j])))
+                j += 1
+            found.append(Table(first_line + i, " ".join(" ".join(caption).split()), split_row(line), rows))
+            caption, i = [], j
+            continue
+        caption = [] if line.startswith("#") else [*caption, line]
+        i += 1
+    return found
+
+
+def current_tables() -> list[Table]:
+    text = README.read_text()
+    start = text.index("\n## Current figures\n")
+    end = text.index("\n## ", start + 1)
+    return tables(text[start:end], first_line=text[:start].count("\n") + 1)
+
+
+def plain(cell: str) -> str:
+    return cell.replace("*", "").strip()
+
+
+def same(cell: str, value: float) -> bool:
+    """``cell`` is ``value`` printed to the digits ``cell`` shows (``1,766``, ``0.37``, ``2.5e-5``)."""
+    text = plain(cell).replace(",", "")
+    if "e" in text:
+        mantissa = text.split("e")[0]
+        digits = len(mantissa.split(".")[1]) if "." in mantissa else 0
+        return float(text) == float(f"{value:.{digits}e}")
+    digits = len(text.split(".")[1]) if "." in text else 0
+    return text == f"{value:.{digits}f}"
+
+
+def prompt_of(cell: str) -> float:
+    return float(cell.replace(" ", "").rstrip("%")) / 100
+
+
+def source(table: Table, link: str, default: str | None = None) -> Path:
+    path = BENCH / link
+    if path.is_dir() and default:
+        path = path / default
+    assert path.exists(), f"{table.name()}: its raw file {link} does not exist"
+    return path
+
+
+class Mismatch(list):
+    def cell(self, table: Table, line: int, key, column: str, cell: str, raw: Path, expected) -> None:
+        shown = expected if isinstance(expected, str) else f"{expected!r}"
+        self.append(
+            f"benchmarks/README.md:{line}, row {key}, column {column!r}: the README says {cell!r}, "
+            f"{raw.relative_to(ROOT)} says {shown}"
+        )
+
+
+# ------------------------------------------------------------------------ bench_step.py (--json) and its arms
+
+ARMS = {
+    "patched s (tok/s, GiB/rank)": "patched",
+    "Liger-off": "off",
+    "TRL 1.14": "trl114",
+    "unpatched (broken)": "unpatched",
+    "before autocast": "patched_noautocast",
+}
+RATIOS = {
+    "patched/off time": "time/off",
+    "patched/TRL 1.14 time": "time/trl114",
+    "patched/off mem": "mem/off",
+    "patched/TRL 1.14 mem": "mem/trl114",
+    "patched/before": "time/patched_noautocast",
+    "patched/TRL 1.14 CPU s": "cpu/trl114",
+}
+STEP_KEYS = ("dtype", "trainer", "prompt", "L", "measured", "raw")
+ARM_CELL = re.compile(r"\**([\d.,]+)\** \(([\d.,]+), ([\d.,]+)\)")
+
+
+def step_rows(path: Path) -> list[dict]:
+    files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+    rows = []
+    for file in files:
+        data = json.loads(file.read_text())
+        if isinstance(data, dict) and "table" in data:
+            rows += [{**row, "_file": file} for row in data["table"]]
+    return rows
+
+
+def check_step(table: Table, out: Mismatch) -> None:
+    col = {name: i for i, name in enumerate(table.header)}
+    unknown = [c for c in table.header if c not in (*STEP_KEYS, "tokens/step", *ARMS, *RATIOS)]
+    assert not unknown, f"{table.name()}: no rule reads columns {unknown} from a bench_step.py JSON"
+    links = LINK.findall(table.caption)
+    for line, cells in table.rows:
+        raw_cell = cells[col["raw"]] if "raw" in col else ""
+        link = LINK.findall(raw_cell) or links
+        if not link:
+            assert NO_RAW in raw_cell or NO_RAW in table.caption, f"benchmarks/README.md:{line}: no raw file named"
+            continue
+        raw = source(table, link[0])
+        trainer = cells[col["trainer"]]
+        key = {"trainer": trainer, "prompt": prompt_of(cells[col["prompt"]]), "L": int(cells[col["L"]])}
+        if "dtype" in col:
+            key["dtype"] = cells[col["dtype"]]
+        names = {trainer.split()[0].lower(), re.sub(r"\W+", "_", trainer.lower()).strip("_")}
+        found = [
+            r
+            for r in step_rows(raw)
+            if r["trainer"] in names
+            and r["prompt"] == key["prompt"]
+            and r["L"] == key["L"]
+            and r["dtype"] == key.get("dtype", r["dtype"])
+        ]
+        assert len(found) == 1, (
+            f"benchmarks/README.md:{line}: {len(found)} rows of {raw.relative_to(ROOT)} match {key} "
+            "(link the one JSON file in the raw cell if several hold it)"
+        )
+        (json_row,) = found
+        raw = json_row["_file"]
+        for name, i in col.items():
+            cell = cells[i]
+            if name == "tokens/step":
+                if not same(cell, json_row["tokens"]):
+                    out.cell(table, line, key, name, cell, raw, json_row["tokens"])
+            elif name in ARMS:
+                arm = json_row["arms"].get(ARMS[name])
+                if cell.startswith("not run"):
+                    if arm and "s" in arm:
+                        out.cell(table, line, key, name, cell, raw, f"a run of {ARMS[name]}: {arm['s']}")
+                    continue
+                match = ARM_CELL.fullmatch(cell)
+                assert match, f"benchmarks/README.md:{line}, column {name!r}: cannot read {cell!r}"
+                if arm is None:
+                    out.cell(table, line, key, name, cell, raw, f"no arm {ARMS[name]}")
+                    continue
+                for text, field in zip(match.groups(), ("s", "tok_s", "peak_gib")):
+                    if not same(text, arm[field]):
+                        out.cell(table, line, key, f"{name}: {field}", text, raw, arm[field])
+            elif name in RATIOS:
+                value = json_row.get("ratios", {}).get(RATIOS[name])
+                if plain(cell) == "-":
+                    if value is not None:
+                        out.cell(table, line, key, name, cell, raw, value)
+                elif value is None:
+                    out.cell(table, line, key, name, cell, raw, f"no ratio {RATIOS[name]}")
+                elif not same(cell, value):
+                    out.cell(table, line, key, name, cell, raw, value)
+
+
+# --------------------------------------------------------------- bench_losses.py / bench_sweeps.py (printed)
+
+LOSS_KEYS = ("loss", "dtype", "prompt", "B x L")
+LOSS_COLUMNS = {"ours/two-pass time": "ours/before time"}  # the README's name: the printed table's name
+
+
+def printed_loss_rows(path: Path) -> dict[tuple, dict[str, str]]:
+    """Every row of every table ``bench_losses.py`` printed, by (loss, dtype, prompt, B x L), columns merged."""
+    rows: dict[tuple, dict[str, str]] = {}
+    for table in tables(path.read_text()):
+        if tuple(table.header[:4]) != LOSS_KEYS:
+            continue
+        for _, cells in table.rows:
+            key = (cells[0], cells[1], cells[2].replace(" ", ""), cells[3])
+            rows.setdefault(key, {}).update(zip(table.header, cells))
+    return rows
+
+
+def check_losses(table: Table, raw: Path, out: Mismatch) -> None:
+    rows = printed_loss_rows(raw)
+    for line, cells in table.rows:
+        key = (cells[0], cells[1], cells[2].replace(" ", ""), cells[3])
+        assert key in rows, f"benchmarks/README.md:{line}: {raw.relative_to(ROOT)} has no row {key}"
+        for name, cell in zip(table.header[4:], cells[4:]):
+            printed = rows[key].get(LOSS_COLUMNS.get(name, name))
+            assert printed is not None, f"{table.name()}: {raw.relative_to(ROOT)} printed no column {name!r}"
+            if plain(cell) != printed:
+                out.cell(table, line, key, name, cell, raw, repr(printed))
+
+
+def check_sweeps(table: Table, raw: Path, out: Mismatch) -> None:
+    text = raw.read_text()
+    blocks = {}
+    for match in re.finditer(r"^V=([\d,]+): one block of (\d+) x", text, flags=re.M):
+        (printed,) = tables(text[match.end() :])[:1]
+        blocks[match.group(1)] = (int(match.group(2)), {cells[0]: dict(zip(printed.header, cells)) for _, cells in
+                                                        printed.rows})  # fmt: skip
+    for line, cells in table.rows:
+        key = cells[0]
+        assert key in blocks, f"benchmarks/README.md:{line}: {raw.relative_to(ROOT)} has no V={key}"
+        rows_in_block, arms = blocks[key]
+        for name, cell in zip(table.header[1:], cells[1:]):
+            if name == "block":
+                if int(cell.split()[0].replace(",", "")) != rows_in_block:
+                    out.cell(table, line, key, name, cell, raw, rows_in_block)
+            elif name == "max diff vs now":
+                worst = max(float(a["max abs diff vs now"]) for a in arms.values() if a["max abs diff vs now"] != "-")
+                if float(cell.removeprefix("<=").strip()) != worst:
+                    out.cell(table, line, key, name, cell, raw, worst)
+            else:
+                assert name in arms, f"{table.name()}: {raw.relative_to(ROOT)} has no arm {name!r}"
+                match = re.fullmatch(r"([\d.]+)(?: \(([\d.]+)x\))?", cell)
+                assert match, f"benchmarks/README.md:{line}, column {name!r}: cannot read {cell!r}"
+                if match.group(1) != arms[name]["ms per block"]:
+                    out.cell(table, line, key, name, cell, raw, arms[name]["ms per block"])
+                if match.group(2) and match.group(2) != arms[name]["/ now"]:
+                    out.cell(table, line, key, f"{name}: / now", cell, raw, arms[name]["/ now"])
+
+
+# ---------------------------------------------------------------------------- gpu_check.py / gpu_profile.py
+
+GPU_ARMS = {
+    "ours": "ours",
+    "ours, chunk L / 2": "ours_long",
+    "ours, two-pass": "ours_2p",
+    "Liger, compiled": "liger_c",
+    "TRL 1.14": "trl114",
+    "materialised": "mat",
+    "patched": "patched",
+    "Liger-off": "off",
+}
+GPU_LOSS = {
+    "median ms": ("ms",),
+    "peak MiB": ("peak_mib",),
+    "err loss": ("err", "loss"),
+    "err grad-hidden": ("err", "grad_h"),
+    "err grad-weight": ("err", "grad_w"),
+}
+GPU_STEP = {
+    "s/step": ("s",),
+    "tokens/s": ("tok_s",),
+    "peak GiB per rank": ("peak_gib",),
+    "patched / arm time": ("patched_time",),
+    "patched / arm memory": ("patched_mem",),
+}
+GPU_FLOOR = {"ours ms": ("ms", "ours"), "GEMM floor ms": ("ms", "gemm"), "ours/floor": ("ours_over_floor",)}
+
+
+def dig(row: dict, path: tuple[str, ...]):
+    for part in path:
+        row = row[part]
+    return row
+
+
+def check_json_rows(table, raw, out, part: str, keys, match, columns) -> None:
+    rows = json.loads(raw.read_text())[part]
+    for line, cells in table.rows:
+        key = tuple(cells[: len(keys)])
+        found = [r for r in rows if match(r, key)]
+        assert len(found) == 1, f"benchmarks/README.md:{line}: {len(found)} rows of {raw.relative_to(ROOT)} match {key}"
+        for name, cell in zip(table.header[len(keys) :], cells[len(keys) :]):
+            assert name in columns, f"{table.name()}: no rule reads column {name!r} from {raw.relative_to(ROOT)}"
+            value = dig(found[0], columns[name])
+            if not same(cell, value):
+                out.cell(table, line, key, name, cell, raw, value)
+
+
+def check_gpu_loss(table, raw, out):
+    check_json_rows(table, raw, out, "a", ("prompt", "arm"),
+                    lambda r, k: r["prompt"] == prompt_of(k[0]) and r["arm"] == GPU_ARMS[k[1]], GPU_LOSS)  # fmt: skip
+
+
+def check_gpu_floor(table, raw, out):
+    check_json_rows(table, raw, out, "a", ("loss", "prompt"),
+                    lambda r, k: r["kind"] == k[0].lower() and r["prompt"] == prompt_of(k[1]), GPU_FLOOR)  # fmt: skip
+
+
+def check_gpu_step(table, raw, out):
+    check_json_rows(table, raw, out, "c", ("trainer", "arm"),
+                    lambda r, k: r["trainer"] == k[0].lower() and r["arm"] == GPU_ARMS[k[1]], GPU_STEP)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------- tests
+
+# (first header cells, the file a folder link means, checker); the step tables are checked row by row
+CHECKERS = (
+    (LOSS_KEYS, None, check_losses),
+    (("V", "block"), None, check_sweeps),
+    (("prompt", "arm", "median ms"), "gpu_check.json", check_gpu_loss),
+    (("loss", "prompt", "ours ms"), "gpu_profile.json", check_gpu_floor),
+    (("trainer", "arm", "s/step"), "gpu_check.json", check_gpu_step),
+)
+
+
+def is_step(table: Table) -> bool:
+    return "trainer" in table.header and "patched s (tok/s, GiB/rank)" in table.header
+
+
+def test_current_tables_name_their_source():
+    found = current_tables()
+    assert len(found) >= 10, f"only {len(found)} tables under ## Current figures: is the parser broken?"
+    for table in found:
+        sourced = LINK.search(table.caption) or (is_step(table) and "raw" in table.header)
+        assert sourced or NO_RAW in table.caption, f"{table.name()}: link its raw file or say {NO_RAW!r}"
+
+
+def test_current_tables_match_their_raw_files():
+    out, checked = Mismatch(), 0
+    for table in current_tables():
+        if is_step(table):
+            check_step(table, out)
+            checked += 1
+            continue
+        links = LINK.findall(table.caption)
+        if not links:
+            continue
+        rule = [(default, check) for head, default, check in CHECKERS if tuple(table.header[: len(head)]) == head]
+        assert rule, f"{table.name()} links {links[-1]} but no rule here reads that file: add one"
+        ((default, check),) = rule
+        check(table, source(table, links[-1], default), out)
+        checked += 1
+    assert checked >= 8, f"only {checked} tables checked against raw files"
+    assert not out, "benchmarks/README.md disagrees with its raw files:\n" + "\n".join(out)
+
+
+def test_fp32_floor_ranges_match_their_raw_file():
+    """The fp32 line under the bf16 floor table gives ranges, not a table: min and max of the printed rows."""
+    text = README.read_text()
+    number = r"(\d+\.\d+)"
+    pattern = (rf"\[raw\]\((results/[^)]+fp32[^)]+\.txt)\)\): ours {number}-{number}x the floor, prev\s+{number}-"
+               rf"{number}x, ours/prev {number}-{number}")  # fmt: skip
+    match = re.search(pattern, text)
+    assert match, "benchmarks/README.md lost its fp32 line (ours x-yx the floor, prev ..., ours/prev ...)"
+    rows = printed_loss_rows(BENCH / match.group(1)).values()
+    for column, (low, high) in zip(("ours/GEMM floor", "prev/GEMM floor", "ours/prev"),
+                                   zip(match.groups()[1::2], match.groups()[2::2])):  # fmt: skip
+        values = sorted(r[column] for r in rows if column in r)
+        assert (low, high) == (values[0], values[-1]), f"fp32 line, {column}: README {low}-{high}, raw {values}"
+
+
+def test_history_is_linked_from_the_top_and_its_links_resolve():
+    top = "\n".join(README.read_text().splitlines()[:12])
+    assert "](HISTORY.md)" in top, "benchmarks/README.md should link HISTORY.md from its opening lines"
+    text = HISTORY.read_text()
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (BENCH / path).resolve() if path else HISTORY
+        assert file.exists(), f"benchmarks/HISTORY.md: link to {target}: no such file"
+        if anchor:
+            assert anchor in anchors(file.read_text()), f"benchmarks/HISTORY.md: link to {target}: no such heading"
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors of a document's headings (as tests/test_docs.py computes them)."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return {
+        re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", "")).replace(" ", "-")
+        for heading in re.findall(r"^#+ (.+)$", prose, flags=re.M)
+    }
+
+
+@pytest.mark.parametrize("cell, value, ok", [("**0.37**", 0.3712, True), ("1,766", 1766.2, True),
+                                             ("2.5e-5", 2.4828e-05, True), ("0.37", 0.376, False)])  # fmt: skip
+def test_same_rounds_as_printed(cell, value, ok):
+    assert same(cell, value) is ok
