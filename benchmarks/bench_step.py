@@ -52,10 +52,11 @@ ROOT = HERE.parent
 TRL_DIRS = Path(os.environ.get("LIGER_DDP_PATCH_TRL_DIRS", ROOT / ".cache" / "trl"))
 ARMS = ("patched", "off", "trl114", "unpatched")
 # beyond the default arms: the package with the loss's Triton sweep (LIGER_DDP_PATCH_LOSS=sweep=triton; a GPU's)
-# and the package without the routed autocast (LIGER_DDP_PATCH_LOSS=autocast=0: TRL 1.9-1.13's precision)
-EXTRA_ARMS = ("patched_triton", "patched_noautocast")
-TRL_OF = {"patched": "1.12.0", "patched_triton": "1.12.0", "patched_noautocast": "1.12.0", "off": "1.12.0",
-          "trl114": "1.14.0", "unpatched": "1.12.0"}  # fmt: skip
+# and the package without the routed autocast (LIGER_DDP_PATCH_LOSS=autocast=0: TRL 1.9-1.13's precision) or without
+# the chunked KTO KL log-probs (LIGER_DDP_PATCH_DISABLE=kto_kl_logps: TRL 1.9-1.13's whole-vocabulary KL logits)
+EXTRA_ARMS = ("patched_triton", "patched_noautocast", "patched_fullkl")
+TRL_OF = {"patched": "1.12.0", "patched_triton": "1.12.0", "patched_noautocast": "1.12.0", "patched_fullkl": "1.12.0",
+          "off": "1.12.0", "trl114": "1.14.0", "unpatched": "1.12.0"}  # fmt: skip
 TRAINERS = ("dpo", "kto")
 DTYPES = ("fp32", "bf16", "mixed")
 PROMPTS = (0.5, 0.0)
@@ -373,6 +374,8 @@ def arm_env(arm: str, threads: int, paths: dict, environ=None) -> dict:
         env["LIGER_DDP_PATCH_LOSS"] = "sweep=triton"
     if arm == "patched_noautocast":
         env["LIGER_DDP_PATCH_LOSS"] = "autocast=0"
+    if arm == "patched_fullkl":
+        env["LIGER_DDP_PATCH_DISABLE"] = "kto_kl_logps"
     return env
 
 

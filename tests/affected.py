@@ -54,7 +54,7 @@ ROWS: tuple[Row, ...] = (
     Row(("dpo", "kto"), "DPO, KTO", "1.9.0", "1.13.0", DDP, SILENT,
         "every rank trains its own model (TRL #7245), `torch_compile=True` included",
         "runs the loss inside DDP's `forward` (eager, under `torch_compile=True` too); fused loss → "
-        "`ChunkedDPOLoss` / `ChunkedKTOLoss`", _DPO_KTO),
+        "`ChunkedDPOLoss` / `ChunkedKTOLoss`; KTO's KL log-probs chunked, as in TRL 1.14", (*_DPO_KTO, "kto_kl_logps")),
     Row(("dpo", "kto"), "DPO, KTO", "1.14.0", "1.14.2", "DDP + `torch_compile=True`", SILENT,
         "TRL's fix redirects only when `model is not unwrapped_model`, which accelerate's unwrap of a compiled model "
         "makes false; accelerate's regional compilation crashes",

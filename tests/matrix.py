@@ -80,7 +80,9 @@ def line_of(version: str) -> Line:
 
 def spec_of(patch: str):
     """The trainer spec a patch name belongs to (``gkd_compute_loss`` -> GKD)."""
-    names = lambda s: (s.compute_loss_patch, s.compiled_patch, s.chunked_loss_patch, s.liger_settings_patch)  # noqa: E731
+    names = lambda s: (  # noqa: E731
+        s.compute_loss_patch, s.compiled_patch, s.chunked_loss_patch, s.kl_logps_patch, s.liger_settings_patch
+    )  # fmt: skip
     return next(s for s in SPECS if patch in names(s))
 
 
@@ -95,6 +97,8 @@ def expected_status(version: str, patch: str = "dpo_compute_loss") -> str:
     spec = spec_of(patch)
     if patch == spec.compiled_patch:  # its own range: the releases whose upstream redirect misses a compiled model
         return "applied" if version in SpecifierSet(spec.compiled_hole[0]) else "not_needed"
+    if patch == spec.kl_logps_patch:  # its own range: the releases whose Liger path materialises the KL rows' logits
+        return "applied" if version in SpecifierSet(spec.kl_rows[0]) else "not_needed"
     if not spec.affected:
         return "applied" if line_of(version).patched else "not_needed"
     return "applied" if distill_line(spec, version).patched else "not_needed"

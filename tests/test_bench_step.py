@@ -140,6 +140,7 @@ def test_each_arm_gets_its_package_setting():
     assert "LIGER_DDP_PATCH_DISABLE" not in env["patched_triton"]
     assert env["patched_noautocast"]["LIGER_DDP_PATCH_LOSS"] == "autocast=0"  # the routed path before autocast
     assert "LIGER_DDP_PATCH_DISABLE" not in env["patched_noautocast"]
+    assert env["patched_fullkl"]["LIGER_DDP_PATCH_DISABLE"] == "kto_kl_logps"  # KTO's KL rows before issue 32 item 3
     for arm in ("off", "trl114", "unpatched"):
         assert env[arm]["LIGER_DDP_PATCH_DISABLE"] == "1" and "LIGER_DDP_PATCH_LOSS" not in env[arm], arm
     assert env["trl114"]["PYTHONPATH"].startswith("/trl-1.14") and env["off"]["PYTHONPATH"].startswith("/trl-1.12")

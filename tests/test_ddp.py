@@ -65,7 +65,9 @@ def test_patched_real_vocab_is_in_sync(tiny_real):
     assert {r["loss_class"] for r in result["results"]} == {"ChunkedDPOLoss", "ChunkedKTOLoss"}
     runtime = {row["name"]: row["runtime"] for row in result["report"]}
     assert runtime["dpo_compute_loss"] == {"DPOTrainer": [ROUTED.format("LigerFusedLinearDPOLoss", "ChunkedDPOLoss")]}
-    assert runtime["kto_compute_loss"] == {"KTOTrainer": [ROUTED.format("LigerFusedLinearKTOLoss", "ChunkedKTOLoss")]}
+    assert runtime["kto_compute_loss"] == {
+        "KTOTrainer": [ROUTED.format("LigerFusedLinearKTOLoss", "ChunkedKTOLoss") + ", KL log-probs chunked"]
+    }
     # one line, on rank 0 only, once per process (DPO ran first; KTO adds none), with logging never configured
     announced = [line for line in result["log"].splitlines() if "under DistributedDataParallel" in line]
     assert announced == [f"[default0]:{ANNOUNCED} (TRL #7245)"], announced

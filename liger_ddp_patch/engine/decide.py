@@ -39,8 +39,8 @@ def decide(
 
     known = version in record.releases or str(parsed) in record.releases
     fixed = record.fixed_in is not None and parsed >= Version(record.fixed_in)
-    if record.covered_by and not fixed and parsed not in SpecifierSet(record.affected):
-        return NOT_NEEDED, f"{dist} {version} is before {record.affected}: {record.covered_by} handles it"
+    if record.before and not fixed and parsed not in SpecifierSet(record.affected):
+        return NOT_NEEDED, f"{dist} {version} is before {record.affected}: {record.before}"
     if known and parsed not in SpecifierSet(record.affected):
         if fixed:
             return NOT_NEEDED, f"fixed upstream in {dist} {record.fixed_in} (installed {version})"

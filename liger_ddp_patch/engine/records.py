@@ -45,8 +45,9 @@ class Patch(NamedTuple):
     # Modules without which the host never defines the target (it imports it only when they are importable):
     # a missing target is then "not needed", not "unsupported".
     requires: tuple[str, ...] = ()
-    # The record that handles the releases before ``affected`` (a known release there is "not needed" here).
-    covered_by: str = ""
+    # Why a release before ``affected`` needs nothing from this record (a known release there is then "not needed", not
+    # "unsupported"), e.g. "dpo_compute_loss handles it".
+    before: str = ""
     # For a module of ``requires``: where the host keeps the lowest version of it that it imports the target with,
     # ``(module, "host.module:ATTRIBUTE")``, read at run time. A missing target with that module installed below the
     # minimum is then "unavailable" (the host left it undefined), not "unsupported".

@@ -6,7 +6,8 @@ those below it (as Liger's ``chunked_loss/``):
 
 * ``dpo.py``, ``kto.py`` -- one loss each: its formula, the loss of one group, its metrics;
 * ``_base.py`` -- the base class: a loss is a sum of per-group terms, and which path runs;
-* ``_onepass.py`` (gradients formed in the forward) and ``_twopass.py`` (the backward recomputes the logits);
+* ``_onepass.py`` (gradients formed in the forward) and ``_twopass.py`` (the backward recomputes the logits; also
+  :func:`sequence_logprob_sums`, the per-row log-probs without a loss, e.g. KTO's KL rows);
 * ``_kernels.py`` -- the shared head kernels: the chunk/dtype plan, logits buffers, softmax, fp32 accumulation;
 * ``_tiles.py`` -- the softmax and gradient sweep of a half-precision CPU chunk on fp32 row tiles (the default
   there: the half block is then the only ``(chunk, V)`` block);
@@ -15,7 +16,8 @@ those below it (as Liger's ``chunked_loss/``):
   (imported on first use; the only module that imports anything beyond torch).
 """
 
+from ._twopass import sequence_logprob_sums
 from .dpo import ChunkedDPOLoss
 from .kto import ChunkedKTOLoss
 
-__all__ = ["ChunkedDPOLoss", "ChunkedKTOLoss"]
+__all__ = ["ChunkedDPOLoss", "ChunkedKTOLoss", "sequence_logprob_sums"]

@@ -15,7 +15,7 @@ import torch
 from . import _kernels
 from ._kernels import LogitsBuffers, Plan, Selection, needs_grad, no_autocast, softmax_
 
-__all__ = ["TokenLogProbs", "backward_chunks", "forward_chunks", "token_logprobs"]
+__all__ = ["TokenLogProbs", "backward_chunks", "forward_chunks", "sequence_logprob_sums", "token_logprobs"]
 
 
 def forward_chunks(sel: Selection, weight, bias, plan: Plan):
@@ -159,6 +159,13 @@ def token_logprobs(hidden, weight, bias, target, ignore_index, token_chunk_size=
     sel = _kernels.select_tokens(hidden, target, ignore_index)
     plan = Plan.of(hidden, weight, token_chunk_size, sweep, bias)
     return selected_logprobs(sel, weight, bias, plan), sel.rows, sel.counts
+
+
+def sequence_logprob_sums(hidden, weight, bias, target, ignore_index=-100, token_chunk_size=None, sweep="eager"):
+    """``(B,)`` per-row sums of the non-ignored tokens' target log-probs (fp32; fp64 for fp64 inputs), never more than
+    a ``(chunk, V)`` block of logits at a time; differentiable when grad mode is on (see :func:`token_logprobs`)."""
+    logp, rows, _ = token_logprobs(hidden, weight, bias, target, ignore_index, token_chunk_size, sweep)
+    return _kernels.sequence_sums(logp, rows, target.shape[0])
 
 
 def selected_logprobs(sel: Selection, weight, bias, plan: Plan):

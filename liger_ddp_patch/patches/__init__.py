@@ -5,7 +5,7 @@ the user's settings TRL's Liger path drops (a warning only)."""
 from __future__ import annotations
 
 from ..engine import Patch
-from . import chunked_loss, compute_loss, liger_settings, settings_warning, trl_versions
+from . import chunked_loss, compute_loss, kl_logps, liger_settings, settings_warning, trl_versions
 from .trainers import SPECS, TrainerSpec
 
 
@@ -19,8 +19,9 @@ def _record(spec: TrainerSpec, **fields) -> Patch:
 
 
 def records(spec: TrainerSpec) -> tuple[Patch, ...]:
-    """The spec's records: its compute_loss always; the loss swap when it has one (DPO/KTO); the settings warning when
-    some release of its Liger path drops or changes a setting (:mod:`.liger_settings`)."""
+    """The spec's records: its compute_loss always; the 1.14.x compiled-model route and the loss swap (DPO/KTO) and the
+    chunked KL log-probs (KTO) when it has them; the settings warning when some release of its Liger path drops or
+    changes a setting (:mod:`.liger_settings`)."""
     label, ours = spec.name.upper().replace("_", "-"), spec.loss.partition(":")[2]
     found = [
         _record(
@@ -46,7 +47,7 @@ def records(spec: TrainerSpec) -> tuple[Patch, ...]:
                 "DistributedDataParallel module inside it; every other setup runs TRL's own code",
                 affected=affected,
                 fixed_in=fixed_in,
-                covered_by=spec.compute_loss_patch,
+                before=f"{spec.compute_loss_patch} handles it",
             )
         )
     if spec.loss:
@@ -61,6 +62,22 @@ def records(spec: TrainerSpec) -> tuple[Patch, ...]:
                 # ... and at least this version (0.7.0 in 1.0-1.1, 0.8.0 in 1.5-1.10, 0.8.2 from 1.12: read, not kept)
                 requires_min=(("liger_kernel", "trl.import_utils:LIGER_KERNEL_MIN_VERSION"),),
                 summary=f"swaps the fused loss of {label} trainers that run under DistributedDataParallel for {ours}",
+            )
+        )
+    if spec.kl_rows:
+        affected, fixed_in = spec.kl_rows
+        found.append(
+            _record(
+                spec,
+                name=spec.kl_logps_patch,
+                attribute=(f"{spec.trainer}._compute_kl_logps",),
+                check=kl_logps.check,
+                replace=None,  # armed: the compute_loss patch gives a DDP trainer the chunked KL for each routed call
+                summary=f"computes the KL rows' log-probs of {label} trainers that run under DistributedDataParallel "
+                "through the chunked head, without their (B, L, V) logits, as TRL 1.14 does",
+                affected=affected,
+                fixed_in=fixed_in,
+                before="its KL rows run the whole model, as with use_liger_kernel=False: nothing to chunk",
             )
         )
     if liger_settings.facts(spec.name):

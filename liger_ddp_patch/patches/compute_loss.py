@@ -27,7 +27,7 @@ from typing import Any
 
 from .. import settings
 from ..log import announce
-from . import _ddp, _shape, chunked_loss, pitfalls
+from . import _ddp, _shape, chunked_loss, kl_logps, pitfalls
 from .trainers import TrainerSpec
 
 # The code shapes we know how to fix, by name (each TrainerSpec.shapes says which release has which). Each entry is one
@@ -297,6 +297,9 @@ def replacer(spec: TrainerSpec, compiled_only: bool = False) -> Callable[[Any, A
             ddp, inner = found.ddp, found.inner
             if spec.loss and not compiled_only:
                 decision = f"{decision}, {chunked_loss.swap(self, engine.original(spec.chunked_loss_patch), spec)}"
+            kl_original = engine.original(spec.kl_logps_patch) if spec.kl_rows and not compiled_only else None
+            if kl_original is not None and getattr(self, "calculate_KL", False):
+                decision = f"{decision}, KL log-probs chunked"
             precision = None if compiled_only else autocast_precision(self)  # TRL 1.14 autocasts itself
             if precision:
                 decision = f"{decision}, under {precision} autocast"
@@ -310,9 +313,13 @@ def replacer(spec: TrainerSpec, compiled_only: bool = False) -> Callable[[Any, A
             announce("liger_ddp_patch: %s under DistributedDataParallel: %s (%s)", trainer, decision, spec.upstream)
 
             # Inside the wrapper's forward the original sees the unwrapped model and takes its plain Liger path, under
-            # the Trainer's autocast as TRL 1.14's fix runs it (TRL 1.9-1.13 call the decoders outside it).
+            # the Trainer's autocast as TRL 1.14's fix runs it (TRL 1.9-1.13 call the decoders outside it), with the
+            # KL rows' log-probs chunked as TRL 1.14 computes them (1.9-1.13 materialise their logits).
             def run(unwrapped_model, inputs, return_outputs):
-                with self.accelerator.autocast() if precision else contextlib.nullcontext():
+                with (
+                    self.accelerator.autocast() if precision else contextlib.nullcontext(),
+                    kl_logps.chunked(self, kl_original, spec),
+                ):
                     return original(self, unwrapped_model, inputs, return_outputs, num_items_in_batch)
 
             redirect = getattr(self, "_forward_redirection", None) or redirect_forward

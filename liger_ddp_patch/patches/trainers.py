@@ -45,6 +45,9 @@ class TrainerSpec(NamedTuple):
     # (PEP 440 range, first release without it) of the releases whose own DDP redirect misses a compiled model
     # (``torch_compile=True``): their compute_loss record routes that one only (compute_loss.replacer(compiled_only))
     compiled_hole: tuple[str, str] = ()
+    # (PEP 440 range, first release without it) of the releases whose Liger path materialises the KTO KL rows'
+    # whole-vocabulary logits: under DDP they go through the chunked head instead (patches/kl_logps.py)
+    kl_rows: tuple[str, str] = ()
 
     @property
     def compute_loss_patch(self) -> str:
@@ -53,6 +56,10 @@ class TrainerSpec(NamedTuple):
     @property
     def compiled_patch(self) -> str:
         return f"{self.name}_compiled_ddp"
+
+    @property
+    def kl_logps_patch(self) -> str:
+        return f"{self.name}_kl_logps"
 
     @property
     def chunked_loss_patch(self) -> str:
@@ -113,6 +120,9 @@ KTO = TrainerSpec(
     loss_attributes=("liger_loss", "liger_loss_fn", "kto_loss_fn"),  # kto_loss_fn 1.0.0-1.5.1, liger_loss_fn 1.6-1.7.1
     loss="liger_ddp_patch.losses:ChunkedKTOLoss",
     compiled_hole=(">=1.14.0,<1.15.0", "1.15.0"),
+    # 1.9.0-1.13.0: `_compute_kl_logps` multiplies the backbone's output by `lm_head.weight` (before: the whole model,
+    # as with Liger off); 1.14.0 computes them chunked (PR #7243)
+    kl_rows=(">=1.9.0,<1.14.0", "1.14.0"),
 )
 
 # The distillation trainers (TRL issue #5282, fixed in 1.6.0 by PR #5934): 1.0.0-1.5.1 run the student's decoder on the
