@@ -9,12 +9,10 @@ imported here: torch, transformers and trl load only when TRL itself does.
 
 from __future__ import annotations
 
-import sys
-
 from . import settings as _settings
 from .engine import APPLIED, PENDING, Engine, PatchError, Status
 from .patches import NAMES as _NAMES
-from .patches import PATCHES as _PATCHES
+from .patches import RECORDS as _RECORDS
 from .patches.trainers import SPECS as _SPECS
 
 __all__ = [
@@ -29,7 +27,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_engine = Engine(_PATCHES, _settings.read(_NAMES))
+_engine = Engine(_RECORDS, _settings.read(_NAMES))
 _LOSS_SWAPS = frozenset(spec.chunked_loss_patch for spec in _SPECS)
 
 
@@ -49,10 +47,9 @@ def report(resolve: bool = False) -> list[Status]:
 
 
 def unpatch() -> None:
-    """Restore every patched attribute to the very object it replaced; later TRL imports stay unpatched."""
+    """Restore every patched attribute to the very object it replaced (the gradient check's ``Trainer.__init__``
+    too); later TRL imports stay unpatched."""
     _engine.unpatch()
-    if "liger_ddp_patch.verify" in sys.modules:  # LIGER_DDP_PATCH_VERIFY's Trainer.__init__ wrapper
-        sys.modules["liger_ddp_patch.verify"].uninstall_trainer_hook()
 
 
 def apply() -> None:
@@ -61,8 +58,9 @@ def apply() -> None:
     _engine.apply()
 
 
-if not _engine.settings.disable_all:
-    _engine.install()
+# Hooks the modules of every record the settings leave on: with LIGER_DDP_PATCH_DISABLE=1 only the gradient check's,
+# and only under LIGER_DDP_PATCH_VERIFY=N (patches/verifier.py).
+_engine.install()
 
 
 def verify_gradient_sync(trainer, every: int = 100):
@@ -78,19 +76,3 @@ def __getattr__(name: str):
 
         return GradientDesyncError
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _verify_every_trainer(module) -> None:  # post-import hook on transformers.trainer (LIGER_DDP_PATCH_VERIFY)
-    if _engine.enabled:  # not after unpatch()
-        from .verify import install_trainer_hook
-
-        install_trainer_hook(module, _engine.settings.verify_every, _engine.settings.strict)
-
-
-# LIGER_DDP_PATCH_VERIFY=N: every Trainer checks its gradients every N steps, even with the patches disabled; unset:
-# while the package is on, once at the first optimizer step of a DDP job (verify.FirstStepCheck); 0: never.
-_settings_now = _engine.settings
-if _settings_now.verify_every > 0 or (_settings_now.check_first and not _settings_now.disable_all):
-    import wrapt
-
-    wrapt.register_post_import_hook(_verify_every_trainer, "transformers.trainer")

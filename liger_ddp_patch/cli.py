@@ -44,12 +44,14 @@ def _liger_kernel(trl: str) -> str:
 def _status(as_json: bool) -> int:
     import liger_ddp_patch
     from liger_ddp_patch.engine import FAILED, PENDING, UNAVAILABLE, UNSUPPORTED, installed_version
+    from liger_ddp_patch.patches.verifier import NAME as CHECK  # its version is transformers'
 
     rows = liger_ddp_patch.report(resolve=True)  # imports the trainer modules, so "pending" becomes a real answer
     if as_json:
         print(json.dumps([row.as_dict() for row in rows], indent=2))
     else:
-        version = next((r.version for r in rows if r.version), None) or installed_version("trl") or "not installed"
+        trl = next((r.version for r in rows if r.version and r.name != CHECK), None)
+        version = trl or installed_version("trl") or "not installed"
         print(f"liger_ddp_patch {liger_ddp_patch.__version__}, TRL {version}, {_liger_kernel(version)}\n")
         width = max(len(r.name) for r in rows)
         for row in rows:

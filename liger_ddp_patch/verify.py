@@ -249,10 +249,12 @@ def likely_cause(trainer) -> str:
     """In words, what most probably left the gradients unsynchronised in ``trainer``'s job."""
     import sys
 
+    from .patches.verifier import NAME  # this very check's own row: no patch of the Liger path
+
     package = sys.modules.get("liger_ddp_patch")
     wrapped = getattr(trainer, "model_wrapped", None)
     name = type(trainer).__name__
-    rows = {r.name: r for r in package.report()} if package is not None else {}
+    rows = {r.name: r for r in package.report() if r.name != NAME} if package is not None else {}
     ours = [r for r in rows.values() if r.runtime.get(name)]
     if ours:  # a patch of ours saw this trainer's compute_loss: say what it decided
         said = "; ".join(f"{r.name}: {', '.join(r.runtime[name])}" for r in ours)
@@ -276,38 +278,3 @@ def verify_gradient_sync(trainer, every: int = DEFAULT_EVERY) -> GradientSyncVer
     verifier = GradientSyncVerifier(every)
     trainer.add_callback(verifier)
     return verifier
-
-
-# -- LIGER_DDP_PATCH_VERIFY: every Trainer gets the callback ------------------------------------------------------
-_ORIGINAL = "_liger_ddp_patch_original_init"
-
-
-def install_trainer_hook(module, every: int, strict: bool = False) -> None:
-    """Wrap ``module.Trainer.__init__`` (``transformers.trainer``) so every new Trainer verifies its gradients: every
-    ``every`` steps (raising), or with ``every=0`` once at its first step (:class:`FirstStepCheck`)."""
-    trainer_cls = module.Trainer
-    original = vars(trainer_cls)["__init__"]
-    if hasattr(original, _ORIGINAL):
-        return
-
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        if every:
-            verify_gradient_sync(self, every)
-        elif not any(isinstance(c, GradientSyncVerifier) for c in self.callback_handler.callbacks):
-            self.add_callback(FirstStepCheck(self, strict))
-
-    setattr(__init__, _ORIGINAL, original)
-    trainer_cls.__init__ = __init__
-
-
-def uninstall_trainer_hook() -> None:
-    """Put ``Trainer.__init__`` back (Trainers built earlier keep their callback)."""
-    import sys
-
-    module = sys.modules.get("transformers.trainer")
-    trainer_cls = getattr(module, "Trainer", None)
-    current = vars(trainer_cls).get("__init__") if trainer_cls is not None else None
-    if current is not None and hasattr(current, _ORIGINAL):
-        trainer_cls.__init__ = getattr(current, _ORIGINAL)

@@ -215,6 +215,9 @@ def test_status_header_names_liger_kernel_and_says_when_it_is_not_installed():
         assert rows[name][0] == "not_needed", rows[name]
         assert rows[name][1].endswith("liger_kernel is not installed, so it never is"), rows[name]
     assert rows["dpo_compute_loss"][0] == "applied" and proc.returncode == 0, proc.stdout + proc.stderr
+    proc = cli_without(("trl",), "status")  # the gradient check's row has a version too: transformers', not TRL's
+    assert proc.stdout.splitlines()[0].startswith("liger_ddp_patch 0.1.0, TRL not installed, "), proc.stdout
+    assert table(proc)["gradient_sync_check"][0] == "applied", proc.stdout
 
 
 def test_a_trainer_module_that_cannot_import_is_unavailable_with_its_error():

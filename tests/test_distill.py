@@ -272,7 +272,7 @@ def test_verifier_catches_an_unpatched_gkd_run(tiny_small):
     assets = tiny_small
     env = {"LIGER_DDP_PATCH_DISABLE": "1", "LIGER_DDP_PATCH_VERIFY": "1"}
     found = run_probe(assets, "none", pythonpath=(str(trl_dir("1.0.0")), EXAMPLE), env=env, extra=("--configs", "gkd"))
-    assert {row["status"] for row in found["report"]} == {"disabled"}
+    assert {row["status"] for row in found["report"] if row["name"] != "gradient_sync_check"} == {"disabled"}
     error = result(found, "gkd").get("error", "")
     assert error.startswith(
         "GradientDesyncError: Gradients are NOT synchronised across the 2 data-parallel ranks at optimizer step 0: "

@@ -12,7 +12,7 @@ import pytest
 
 from liger_ddp_patch.engine import Engine, Patch, PatchError
 from liger_ddp_patch.engine import hooks as engine_mod
-from liger_ddp_patch.settings import Settings
+from liger_ddp_patch.settings import DISABLE, Settings
 
 _counter = itertools.count()
 
@@ -52,8 +52,7 @@ def record(module: str, *, calls: list | None = None, **overrides) -> Patch:
         def step(self, x):
             return "patched"
 
-        step.__wrapped__ = original
-        return step
+        return step  # the engine wraps it: the installed proxy carries the original as __wrapped__
 
     fields = dict(
         name="fix_step",
@@ -94,6 +93,58 @@ def test_patches_on_import_and_unpatch_restores_the_same_object(fakelib, monkeyp
     assert mod.Trainer.__dict__["step"] is original
     assert mod.Trainer().step(1) == "broken"
     assert status(engine).status == "disabled" and "unpatch()" in status(engine).reason
+
+
+def test_the_replacement_is_installed_in_a_wrapt_proxy_that_leaves_the_original_untouched(fakelib, monkeypatch):
+    """The proxy answers for the original (name, docstring, signature, ``__wrapped__``) and carries our mark itself."""
+    import inspect
+
+    name = fakelib(BROKEN.replace("def step(self, x):", 'def step(self, x):\n        """The docstring."""'))
+    engine, mod = run(name, "1.12.0", monkeypatch)
+    installed, original = mod.Trainer.__dict__["step"], engine.original("fix_step")
+    assert installed.__wrapped__ is original and installed is not original
+    assert (installed.__name__, installed.__qualname__, installed.__doc__) == ("step", "Trainer.step", "The docstring.")
+    assert str(inspect.signature(mod.Trainer().step)) == "(x)"
+    assert getattr(installed, engine_mod.MARK) == "fix_step" and not hasattr(original, engine_mod.MARK)
+    assert mod.Trainer.step(mod.Trainer(), 1) == "patched"  # called through the class, instance passed by hand
+
+
+def test_a_gated_record_follows_its_gate_not_disable_all(fakelib, monkeypatch):
+    """A record with ``gate`` (the gradient check's): on or off by its gate, whatever ``LIGER_DDP_PATCH_DISABLE=1``
+    says; naming it still turns it off. With ``affected=""`` no version gates it, an unreadable one included."""
+
+    def gate(settings):
+        return (None, f"every {settings.verify_every}") if settings.verify_every else ("off: no verify_every", "")
+
+    applied = "step() fixed (Trainer.step, any fakelib version); every 5"
+    for settings, expected in (
+        (Settings(disable_all=True, verify_every=5), ("applied", applied)),
+        (Settings(verify_every=0), ("disabled", "off: no verify_every")),
+        (Settings(disabled=frozenset({"fix_step"}), verify_every=5), ("disabled", f"disabled by {DISABLE}")),
+    ):
+        engine, mod = run(fakelib(), None, monkeypatch, settings=settings, gate=gate, affected="", releases=())
+        assert (status(engine).status, status(engine).reason) == expected
+        assert (mod.Trainer().step(1) == "patched") == (expected[0] == "applied")
+        assert bool(engine._hooked) == (expected[0] == "applied")  # an off record hooks nothing
+        engine.unpatch()
+        assert mod.Trainer().step(1) == "broken"
+
+
+def test_the_gradient_check_record_says_which_check_runs():
+    from liger_ddp_patch.patches.verifier import gate
+
+    assert gate(Settings()) == (None, "LIGER_DDP_PATCH_VERIFY unset: once, at the first optimizer step under DDP, a "
+                                      "WARNING if the ranks' gradients differ")  # fmt: skip
+    assert gate(Settings(strict=True))[1].endswith("raising GradientDesyncError if the ranks' gradients differ "
+                                                   "(LIGER_DDP_PATCH_STRICT=1)")  # fmt: skip
+    assert gate(Settings(check_first=False)) == ("disabled by LIGER_DDP_PATCH_VERIFY=0", "")
+    assert gate(Settings(disable_all=True))[0].startswith("disabled by LIGER_DDP_PATCH_DISABLE")
+    every = (
+        "LIGER_DDP_PATCH_VERIFY=100: at the first optimizer step and every 100 after, raising GradientDesyncError if "
+        "the ranks' gradients differ"
+    )
+    for settings in (Settings(verify_every=100), Settings(verify_every=100, disable_all=True)):
+        assert gate(settings) == (None, every)
 
 
 def test_module_imported_before_install_is_patched_at_once(fakelib, monkeypatch):

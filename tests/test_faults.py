@@ -23,6 +23,7 @@ def statuses(proc: subprocess.CompletedProcess) -> dict[str, dict]:
 def test_trl_absent():
     code = "import sys; sys.modules['trl'] = None\nimport liger_ddp_patch; liger_ddp_patch.report(resolve=True)\n"
     rows = statuses(python(code + REPORT))
+    assert rows.pop("gradient_sync_check")["status"] == "applied"  # transformers' Trainer: TRL or not
     for row in rows.values():
         assert row["status"] == "not_needed" and "cannot be imported" in row["reason"], row
 
@@ -42,15 +43,17 @@ def test_liger_kernel_absent_leaves_the_fused_loss_patches_not_needed_even_in_st
 def test_reload_then_unpatch_restores_trls_own_functions():
     """``importlib.reload(liger_ddp_patch)``: the new engine takes over (never wraps twice) and can undo everything."""
     code = (
-        "import importlib, liger_ddp_patch\nfrom trl import DPOTrainer, KTOTrainer\n"
-        "trl_own = {c: c.__dict__['compute_loss'].__wrapped__ for c in (DPOTrainer, KTOTrainer)}\n"
-        "assert all(f.__module__.startswith('trl.') for f in trl_own.values())\n"
+        "import importlib, liger_ddp_patch\nfrom trl import DPOTrainer, KTOTrainer\nfrom transformers import Trainer\n"
+        "ours = [(DPOTrainer, 'compute_loss'), (KTOTrainer, 'compute_loss'), (Trainer, '__init__')]  # and the check\n"
+        "trl_own = {(c, a): vars(c)[a].__wrapped__ for c, a in ours}\n"
+        "assert all(f.__module__.startswith(('trl.', 'transformers.')) for f in trl_own.values())\n"
         "importlib.reload(liger_ddp_patch)\n"
-        "assert all(c.__dict__['compute_loss'].__wrapped__ is f for c, f in trl_own.items())  # not wrapped twice\n"
+        "assert all(vars(c)[a].__wrapped__ is f for (c, a), f in trl_own.items())  # not wrapped twice\n"
         "liger_ddp_patch.unpatch()\n"
-        "assert all(c.__dict__['compute_loss'] is f for c, f in trl_own.items()), 'unpatch() left our wrapper'\n"
+        "assert all(vars(c)[a] is f for (c, a), f in trl_own.items()), 'unpatch() left our wrapper'\n"
     )
     rows = statuses(python(code + REPORT))
+    assert rows.pop("gradient_sync_check")["status"] == "disabled"
     ours = {name: row["status"] for name, row in rows.items() if name.startswith(("dpo_", "kto_"))}
     # every patch that was applied is removed; the 1.14.x records were never applied to this TRL (1.12)
     assert {s for name, s in ours.items() if not name.endswith("_compiled_ddp")} == {"disabled"}

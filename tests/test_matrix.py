@@ -69,6 +69,7 @@ def _check_pair(version: str, unpatched: dict, patched: dict) -> None:
     assert unpatched["report"] is None, "the control run must not import the package"
     statuses = {s["name"]: s for s in patched["report"]}
     assert set(statuses) == NAMES
+    assert statuses.pop("gradient_sync_check")["status"] == "applied"  # transformers' Trainer, whatever TRL
     for status in statuses.values():
         expected = matrix.expected_status(version, status["name"])
         if matrix.spec_of(status["name"]).loss:

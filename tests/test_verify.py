@@ -89,18 +89,25 @@ def test_every_must_be_positive_and_single_process_is_a_no_op():
     assert out.strip() == "[]"
 
 
+# Run after `import liger_ddp_patch`: is transformers' Trainer.__init__ the check's wrapper; its status row.
+HOOKED = (
+    "import transformers.trainer as t\n"
+    "print(getattr(vars(t.Trainer)['__init__'], '_self_liger_ddp_patch', None) == 'gradient_sync_check',\n"
+    "      {r.name: r for r in liger_ddp_patch.report()}['gradient_sync_check'].status)\n"
+)
+
+
 def test_env_hook_adds_the_callback_and_unpatch_removes_it():
     code = (
         "import liger_ddp_patch, sys\n"
         "assert 'torch' not in sys.modules\n"
         "import transformers.trainer as t\n"
-        "wrapped = hasattr(t.Trainer.__init__, '_liger_ddp_patch_original_init')\n"
-        "liger_ddp_patch.unpatch()\n"
-        "print(wrapped, hasattr(t.Trainer.__init__, '_liger_ddp_patch_original_init'))\n"
+        "own = vars(t.Trainer)['__init__'].__wrapped__\n" + HOOKED + "liger_ddp_patch.unpatch()\n"
+        "assert vars(t.Trainer)['__init__'] is own, 'unpatch() left the wrapper'\n" + HOOKED
     )
-    env = {**__import__("os").environ, "LIGER_DDP_PATCH_VERIFY": "1"}
+    env = {**__import__("os").environ, "LIGER_DDP_PATCH_VERIFY": "1", "LIGER_DDP_PATCH_DISABLE": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
-    assert out.split() == ["True", "False"]
+    assert out.split() == ["True", "applied", "False", "disabled"]
 
 
 @pytest.mark.ddp
@@ -109,7 +116,9 @@ def test_unpatched_control_raises_naming_parameters(tiny_small):
 
     env = {"LIGER_DDP_PATCH_DISABLE": "1", "LIGER_DDP_PATCH_VERIFY": "1"}
     result = run_probe(tiny_small, "none", trainers="dpo", env=env, pythonpath=(EXAMPLE,))
-    assert {row["status"] for row in result["report"]} == {"disabled"}
+    statuses = {row["name"]: row["status"] for row in result["report"]}
+    assert statuses.pop("gradient_sync_check") == "applied"  # LIGER_DDP_PATCH_VERIFY=1 checks with the patches off
+    assert set(statuses.values()) == {"disabled"}
     (run,) = result["results"]
     error = run.get("error", "")
     assert error.startswith("GradientDesyncError: Gradients are NOT synchronised across the 2 data-parallel ranks "
@@ -136,17 +145,16 @@ NOT_SYNCED = "liger_ddp_patch: Gradients are NOT synchronised across the 2 data-
 
 
 def test_default_check_is_hooked_only_while_the_package_is_on():
-    code = (
-        "import liger_ddp_patch, transformers.trainer as t\n"
-        "print(hasattr(t.Trainer.__init__, '_liger_ddp_patch_original_init'))\n"
-    )
     hooked = {}
     for label, env in (("default", {}), ("VERIFY=0", {"LIGER_DDP_PATCH_VERIFY": "0"}),
-                       ("DISABLE=1", {"LIGER_DDP_PATCH_DISABLE": "1"})):  # fmt: skip
+                       ("DISABLE=1", {"LIGER_DDP_PATCH_DISABLE": "1"}),
+                       ("DISABLE=name", {"LIGER_DDP_PATCH_DISABLE": "gradient_sync_check"})):  # fmt: skip
         clean = {k: v for k, v in __import__("os").environ.items() if not k.startswith("LIGER_DDP_PATCH_")}
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**clean, **env})
+        proc = subprocess.run([sys.executable, "-c", "import liger_ddp_patch\n" + HOOKED], capture_output=True,
+                              text=True, env={**clean, **env})  # fmt: skip
         hooked[label] = proc.stdout.strip()
-    assert hooked == {"default": "True", "VERIFY=0": "False", "DISABLE=1": "False"}
+    assert hooked == {"default": "True applied", "VERIFY=0": "False disabled", "DISABLE=1": "False disabled",
+                      "DISABLE=name": "False disabled"}  # fmt: skip
 
 
 @pytest.mark.ddp

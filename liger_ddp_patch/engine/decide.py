@@ -30,6 +30,12 @@ def decide(
     from packaging.version import InvalidVersion, Version
 
     dist = record.distribution
+    if not record.affected:  # no version gate: code every release has; only the target and its shape decide
+        if target is None:
+            return UNSUPPORTED, f"{record.target} not found in {dist} {version}; left untouched"
+        if mismatch is not None:
+            return UNSUPPORTED, f"shape check failed: {mismatch}; left untouched"
+        return APPLIED, f"{record.summary} ({target}, any {dist} version)"
     try:
         parsed = Version(version) if version else None
     except InvalidVersion:

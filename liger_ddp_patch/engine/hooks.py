@@ -1,7 +1,9 @@
 """The engine: wrapt post-import hooks that swap (or arm) each record's target, undo it, and keep the statuses.
 
 What to do with a record is :func:`~.decide.decide`'s call; this module only finds the target, runs the record's shape
-check, carries out the decision, and remembers the original for :meth:`Engine.unpatch`.
+check, carries out the decision, and remembers the original for :meth:`Engine.unpatch`. A replacement is installed
+inside a wrapt ``FunctionWrapper`` around the original: the proxy answers for the original's name, docstring and
+signature, keeps it as ``__wrapped__``, and carries our mark on itself, never on the original.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from .records import (
     summary,
 )
 
-MARK = "__liger_ddp_patch__"  # set on every replacement we install, so a second engine never wraps it again
-ORIGINAL = "__liger_ddp_patch_original__"  # and the object it replaced, so a second engine can restore it
+# The record name on every wrapper we install (wrapt keeps ``_self_`` attributes on the proxy, not on the original),
+# so a second engine (``importlib.reload(liger_ddp_patch)``) restores its ``__wrapped__`` rather than wrapping it again.
+MARK = "_self_liger_ddp_patch"
 
 
 class _Applied(NamedTuple):
@@ -165,10 +168,13 @@ class Engine:
 
     # -- public -------------------------------------------------------------------------------------------
     def install(self) -> None:
-        """Hook every target module; a module that is already imported is patched at once."""
+        """Hook every target module of a record the settings leave on; a module already imported is patched at once."""
+        modules = self._modules(live=True)
+        if not modules:  # everything off (LIGER_DDP_PATCH_DISABLE=1): not even wrapt is imported
+            return
         import wrapt
 
-        for module in self._modules():
+        for module in modules:
             if module not in self._hooked:
                 self._hooked.add(module)
                 wrapt.register_post_import_hook(self._on_import, module)
@@ -246,8 +252,10 @@ class Engine:
             )  # fmt: skip
             self._set(name, NOT_NEEDED, f"{why}; nothing to patch")
 
-    def _modules(self) -> list[str]:
-        return list(dict.fromkeys(m for r in self.records.values() for m in r.module))
+    def _modules(self, live: bool = False) -> list[str]:
+        """The target modules (``live``: of the records the settings leave on)."""
+        records = [r for r in self.records.values() if not (live and self._off(r))]
+        return list(dict.fromkeys(m for r in records for m in r.module))
 
     # -- hook ---------------------------------------------------------------------------------------------
     def _on_import(self, module: Any) -> None:
@@ -280,7 +288,7 @@ class Engine:
             target = f"{getattr(parent, '__name__', parent)}.{attr}"
             taken_over = getattr(original, MARK, None) == record.name  # e.g. importlib.reload(liger_ddp_patch)
             if taken_over:
-                original = getattr(original, ORIGINAL)  # start again from the true original, so unpatch() restores it
+                original = original.__wrapped__  # start again from the true original, so unpatch() restores it
             mismatch = record.check(original)
         absent = [m for m in record.requires if not _importable(m)] if found is None else []
         too_old = _below_minimum(record, version) if found is None and not absent else []
@@ -288,21 +296,35 @@ class Engine:
         if status == APPLIED:
             self._swap(record, parent, attr, original)
             reason += "; took over from an earlier load of the package" if taken_over else ""
+            reason += f"; {record.gate(self.settings)[1]}" if record.gate is not None else ""
         self._set(record.name, status, reason)
 
     def _swap(self, record: Patch, parent: Any, attr: str, original: Any) -> None:
         replacement = None
         if record.replace is not None:
-            replacement = record.replace(original, self)
+            import wrapt
+
+            function = record.replace(original, self)
+
+            def call(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:  # a method gets its instance back
+                return function(*args, **kwargs) if instance is None else function(instance, *args, **kwargs)
+
+            replacement = wrapt.FunctionWrapper(original, call)
             setattr(replacement, MARK, record.name)
-            setattr(replacement, ORIGINAL, original)
             setattr(parent, attr, replacement)
         self._applied[record.name] = _Applied(parent, attr, original, replacement)
 
     # -- bookkeeping --------------------------------------------------------------------------------------
+    def _off(self, record: Patch) -> str | None:
+        """Why the settings turn ``record`` off (``None``: they leave it on)."""
+        if record.gate is not None and record.name not in self.settings.disabled:
+            return record.gate(self.settings)[0]
+        return f"disabled by {DISABLE}" if self.settings.is_disabled(record.name) else None
+
     def _initial(self, record: Patch) -> Status:
-        if self.settings.is_disabled(record.name):
-            return Status(record.name, record.target, DISABLED, f"disabled by {DISABLE}")
+        off = self._off(record)
+        if off:
+            return Status(record.name, record.target, DISABLED, off)
         return Status(record.name, record.target, PENDING, f"waiting for {' or '.join(record.module)} to be imported")
 
     def _set(self, name: str, status: str, reason: str) -> None:

@@ -27,16 +27,17 @@ class Patch(NamedTuple):
     """One declarative patch record.
 
     ``check(original)`` returns ``None`` when the original still looks like the code we fix, else the reason it does
-    not. ``replace(original, engine)`` returns the object to install (``engine`` offers :meth:`Engine.original` and
-    :meth:`Engine.note` to the replacement at run time); ``replace=None`` arms the record without installing
-    anything. Undo is always "put the original back".
+    not. ``replace(original, engine)`` returns the function to run instead, with the original's signature (``engine``
+    offers :meth:`Engine.original` and :meth:`Engine.note` to it at run time); the engine installs it inside a wrapt
+    ``FunctionWrapper`` around the original, which carries the original's name, docstring and ``__wrapped__``.
+    ``replace=None`` arms the record without installing anything. Undo is always "put the original back".
     """
 
     name: str
     module: tuple[str, ...]  # importing any of these modules triggers the patch (the class may move between releases)
     attribute: tuple[str, ...]  # dotted paths inside ``module``; the first one present is the target
     distribution: str  # the installed distribution whose version gates the patch
-    affected: str  # PEP 440 specifier: releases known to carry the bug
+    affected: str  # PEP 440 specifier: releases known to carry the bug ("": no version gate, the shape check decides)
     fixed_in: str | None  # first release where upstream fixed it
     releases: tuple[str, ...]  # releases whose code we have read; any other version is "unknown": shape decides
     check: Callable[[Any], str | None]
@@ -52,6 +53,10 @@ class Patch(NamedTuple):
     # ``(module, "host.module:ATTRIBUTE")``, read at run time. A missing target with that module installed below the
     # minimum is then "unavailable" (the host left it undefined), not "unsupported".
     requires_min: tuple[tuple[str, str], ...] = ()
+    # For a record the settings switch their own way (``LIGER_DDP_PATCH_DISABLE=1`` alone does not turn it off; naming
+    # it does): ``gate(settings)`` is ``(why it is off, or None; what the settings make it do)``, the second part said
+    # at the end of the applied reason.
+    gate: Callable[[Any], tuple[str | None, str]] | None = None
 
     @property
     def target(self) -> str:

@@ -1,11 +1,12 @@
 """The patch records, up to four per trainer spec: route its compute_loss under DDP, route a compiled DDP model in the
 releases whose own redirect misses it (DPO/KTO 1.14.x), arm the swap of its fused loss (DPO/KTO), and say which of
-the user's settings TRL's Liger path drops (a warning only)."""
+the user's settings TRL's Liger path drops (a warning only). Beside them, the gradient check every transformers
+Trainer gets (:mod:`.verifier`)."""
 
 from __future__ import annotations
 
 from ..engine import Patch
-from . import chunked_loss, compute_loss, kl_logps, liger_settings, settings_warning, trl_versions
+from . import chunked_loss, compute_loss, kl_logps, liger_settings, settings_warning, trl_versions, verifier
 from .trainers import SPECS, TrainerSpec
 
 
@@ -95,5 +96,6 @@ def records(spec: TrainerSpec) -> tuple[Patch, ...]:
     return tuple(found)
 
 
-PATCHES = tuple(record for spec in SPECS for record in records(spec))
-NAMES = frozenset(p.name for p in PATCHES)
+PATCHES = tuple(record for spec in SPECS for record in records(spec))  # TRL's: one trainer spec's each
+RECORDS = (*PATCHES, verifier.RECORD)  # what the engine runs: a row each in report() and `liger-ddp-patch status`
+NAMES = frozenset(p.name for p in RECORDS)  # and what LIGER_DDP_PATCH_DISABLE accepts

@@ -20,7 +20,6 @@ untied trainable head: only that setup is routed (:func:`head_route`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -282,7 +281,6 @@ def replacer(spec: TrainerSpec, compiled_only: bool = False) -> Callable[[Any, A
         # TRL 1.6-1.13's distillation trainers route the decoder themselves: only their head is at stake
         head_only = not compiled_only and shape(original, ("head_outside",))[0] == "head_outside"
 
-        @functools.wraps(original)
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             found, decision = route(model, _uses_liger(self, spec))
             if found and compiled_only and not found.how:

@@ -9,7 +9,6 @@ Reading a setting that fails is recorded and the original still runs.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -55,7 +54,6 @@ def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
         # the installed releases are fixed once the hook fires: keep only the facts true of them
         facts = [f for f in liger_settings.facts(spec.name) if liger_settings.dropped_in(f, trl, liger)]
 
-        @functools.wraps(original)
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             trainer = type(self).__name__
             try:

@@ -1,0 +1,74 @@
+"""The record that gives every transformers ``Trainer`` the cross-rank gradient check of :mod:`liger_ddp_patch.verify`.
+
+``LIGER_DDP_PATCH_VERIFY`` unset: while the package is on (not ``LIGER_DDP_PATCH_DISABLE=1``), every Trainer checks
+once, at its first optimizer step under DDP, and warns (:class:`~liger_ddp_patch.verify.FirstStepCheck`); ``=N``:
+at the first step and every N after, raising, even with the patches disabled; ``0``: no check. The Trainer is
+transformers', not TRL's: every release has its ``__init__``, so no version gates the record.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import settings
+from ..engine import Patch
+
+NAME = "gradient_sync_check"
+
+
+def gate(current: settings.Settings) -> tuple[str | None, str]:
+    """``(why the check is off, or None; what it does)`` under ``current``."""
+    every = current.verify_every
+    if every > 0:
+        return None, (
+            f"{settings.VERIFY}={every}: at the first optimizer step and every {every} after, raising "
+            "GradientDesyncError if the ranks' gradients differ"
+        )
+    if not current.check_first:
+        return f"disabled by {settings.VERIFY}=0", ""
+    if current.disable_all:
+        return f"disabled by {settings.DISABLE} (with it, only {settings.VERIFY}=N checks gradients)", ""
+    if current.strict:
+        return None, (
+            f"{settings.VERIFY} unset: once, at the first optimizer step under DDP, raising GradientDesyncError "
+            f"if the ranks' gradients differ ({settings.STRICT}=1)"
+        )
+    return None, (
+        f"{settings.VERIFY} unset: once, at the first optimizer step under DDP, a WARNING if the ranks' gradients "
+        "differ"
+    )
+
+
+def check(original: Any) -> str | None:
+    return None if callable(original) else f"Trainer.__init__ is a {type(original).__name__}, not a function"
+
+
+def replace(original: Any, engine: Any) -> Any:
+    """``Trainer.__init__``, then the check's callback on the new Trainer (this imports torch: the Trainer did)."""
+    from ..verify import FirstStepCheck, GradientSyncVerifier, verify_gradient_sync
+
+    every, strict = engine.settings.verify_every, engine.settings.strict
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if every:
+            verify_gradient_sync(self, every)
+        elif not any(isinstance(c, GradientSyncVerifier) for c in self.callback_handler.callbacks):
+            self.add_callback(FirstStepCheck(self, strict))
+
+    return __init__
+
+
+RECORD = Patch(
+    name=NAME,
+    module=("transformers.trainer",),
+    attribute=("Trainer.__init__",),
+    distribution="transformers",
+    affected="",  # every release
+    fixed_in=None,
+    releases=(),
+    check=check,
+    replace=replace,
+    summary="adds the cross-rank gradient check to every Trainer",
+    gate=gate,
+)
