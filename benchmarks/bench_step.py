@@ -258,32 +258,20 @@ def worker(args) -> None:
 
 
 def build_assets(directory: Path, size: dict, dtype: str = "float32", device: str = "cpu") -> Path:
-    """A word-level tokenizer (one token per word) and the model (tied, saved in ``dtype``) saved to ``directory``.
+    """A word-level tokenizer (one token per word) and the model (tied, saved in ``dtype``) saved to ``directory``:
+    the tests' tiny-model builder at this size.
 
     Saved, not built in each rank: TRL loads the reference model from the policy's ``name_or_path``.  ``device``:
     where the weights are drawn (a GPU draws a billion in a moment).
     """
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # the checkout's package, as the ranks get it (a GPU machine has no install)
+    from liger_ddp_patch.demo.tiny import build
 
-    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>", *WORDS])}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    tokenizer.save_pretrained(directory)
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=size["V"], hidden_size=size["H"], intermediate_size=size["intermediate"],
-        num_hidden_layers=size["layers"], num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"],
-        head_dim=size["head_dim"], max_position_embeddings=size.get("max_len", 4096), tie_word_embeddings=True,
-        pad_token_id=vocab["<pad>"], eos_token_id=vocab["<eos>"], bos_token_id=None,
-    )  # fmt: skip
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(directory)
-    del model
-    return directory
+    return build(directory, size["V"], tied=True, words=WORDS, dtype=dtype, device=device, hidden_size=size["H"],
+                 intermediate_size=size["intermediate"], num_hidden_layers=size["layers"],
+                 num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"], head_dim=size["head_dim"],
+                 max_position_embeddings=size.get("max_len", 4096))  # fmt: skip
 
 
 def n_params(size: dict) -> int:

@@ -15,7 +15,7 @@ step, in <= 8 minutes.
     and the path the loss took (its ``grad_fn``).
 (b) DDP with device_ids on the GPU: two one-process "nodes" on loopback (``torchrun --nnodes=2
     --nproc_per_node=1``), both on cuda:0 with ``ddp_backend="gloo"`` (NCCL refuses two ranks on one GPU), the
-    repo's probe (liger_ddp_patch/demo/probe.py ``--device cuda``) running one DPO and one KTO step with Liger on
+    repo's test probe (tests/harness/probe.py ``--device cuda``) running one DPO and one KTO step with Liger on
     the tiny Qwen3 with the real vocabulary; TRL 1.12.0 and 1.8.0 (before 1.9 the unpatched trainer crashes in
     DDP), unpatched vs patched: parameters whose gradients differ across the ranks.
 (c) One whole DDP training step (benchmarks/bench_step.py's launches, issue #22): bf16, V=151,936, H=3,584 over 2
@@ -242,7 +242,7 @@ def run_part_a(args, paths, out: Path) -> list[dict]:
 
 def launch_two_nodes(trl_dir: str, common: str, assets: Path, patched: bool, device: str, out: Path, timeout: float):
     """torchrun --nnodes=2 --nproc_per_node=1 twice on loopback, the probe on ``device``; rank 0's JSON."""
-    from liger_ddp_patch.demo import run_probe_two_nodes
+    from harness import run_probe_two_nodes
 
     env = dict(
         os.environ,
@@ -261,6 +261,7 @@ def launch_two_nodes(trl_dir: str, common: str, assets: Path, patched: bool, dev
 def run_part_b(args, paths, out: Path) -> list[dict]:
     from liger_ddp_patch.demo.tiny import REAL_VOCAB, build
 
+    sys.path.insert(0, str(ROOT / "tests"))  # the test harness (not in the package): the probe and its launcher
     assets = build(out / "tiny", vocab_size=64 if args.cpu_smoke else REAL_VOCAB)
     runs = [(version, patched) for version in DDP_TRL for patched in (False, True)]
 

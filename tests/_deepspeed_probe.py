@@ -30,8 +30,7 @@ elif PATCH_MODE != "none":
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-from liger_ddp_patch.demo.probe import (  # noqa: E402
+from harness.probe import (  # noqa: E402
     CHAT_TEMPLATE,
     NO_TRITON,
     _dataset,
@@ -39,6 +38,8 @@ from liger_ddp_patch.demo.probe import (  # noqa: E402
     _trainer_classes,
     trainer_specs,
 )
+
+import liger_ddp_patch  # noqa: E402,F401  (PROBE_PATCH=none too: the test launches it disabled and reads its report)
 
 
 def ds_config(stage: int) -> dict:

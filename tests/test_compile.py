@@ -18,8 +18,7 @@ from pathlib import Path
 import matrix
 import pytest
 import torch
-
-from liger_ddp_patch.demo import run_probe
+from harness import run_probe
 
 pytestmark = pytest.mark.ddp
 

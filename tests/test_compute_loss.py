@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from _fakes import RecordingEngine
+from harness import free_port
 from torch import nn
 
-from liger_ddp_patch.demo import free_port
 from liger_ddp_patch.patches.compute_loss import redirect_forward, replacer, route
 from liger_ddp_patch.patches.trainers import SPECS
 

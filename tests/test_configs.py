@@ -14,8 +14,8 @@ import importlib.util
 from typing import NamedTuple
 
 import pytest
+from harness import run_probe
 
-from liger_ddp_patch.demo import run_probe
 from liger_ddp_patch.patches import pitfalls
 
 pytestmark = pytest.mark.ddp

@@ -7,8 +7,8 @@ Liger KTO step and compares every parameter's gradient across the two ranks.
 from __future__ import annotations
 
 import pytest
+from harness import run_probe
 
-from liger_ddp_patch.demo import run_probe
 from liger_ddp_patch.patches import NAMES
 
 pytestmark = pytest.mark.ddp

@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 
 import pytest
+from harness import run_probe
 
-from liger_ddp_patch.demo import run_probe
 from liger_ddp_patch.patches.trainers import SPECS
 
 pytestmark = pytest.mark.ddp
@@ -35,7 +35,7 @@ BOUND = 1e-4  # of each tensor's scale (fp32)
 PARAMS, LORA, TIED = 25, 8, 24  # every trainable tensor of the student (untied head); LoRA A/B on q/v; tied head
 REJECTED = "Expected to mark a variable ready only once"
 
-# Per release: the configs one pair of launches runs (demo/probe.py CONFIGS; a trainer's name is its plain setup).
+# Per release: the configs one pair of launches runs (harness/probe.py CONFIGS; a trainer's name is its plain setup).
 RELEASES: dict[str, tuple[str, ...]] = {
     "1.0.0": ("gkd", "gold", "gkd-temp"),
     "1.5.1": ("gkd", "distillation", "distillation-onpolicy", "distillation-lora", "distillation-top1"),

@@ -14,8 +14,7 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from liger_ddp_patch.demo import run_probe
+from harness import run_probe
 
 pytestmark = pytest.mark.ddp
 

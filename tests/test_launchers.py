@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from liger_ddp_patch.demo import PACKAGE_ROOT, PROBE, run_probe_two_nodes
+from harness import PACKAGE_ROOT, PROBE, run_probe_two_nodes
 
 pytestmark = pytest.mark.ddp
 

@@ -191,7 +191,7 @@ def test_an_unknown_sweep_is_refused(cls):
 def test_a_ddp_step_at_real_vocabulary_runs_the_kernels_in_sync(tiny_real):
     """``LIGER_DDP_PATCH_LOSS=sweep=triton``: the kernels run inside ``DistributedDataParallel.forward`` at
     V=151,936 (2 CPU ranks, gloo, the interpreter), and every gradient is all-reduced."""
-    from liger_ddp_patch.demo import run_probe
+    from harness import run_probe
 
     env = {"LIGER_DDP_PATCH_LOSS": "sweep=triton", "TRITON_INTERPRET": "1"}
     result = run_probe(tiny_real, "before", env=env)

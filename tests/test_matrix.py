@@ -47,7 +47,7 @@ def real_vocab_assets(tmp_path_factory):
 
 
 def _run(assets, mode: str, pythonpath: tuple[Path, ...], tag: str) -> dict:
-    from liger_ddp_patch.demo import run_probe
+    from harness import run_probe
 
     env = {"LIGER_DDP_PATCH_DISABLE": "1"} if mode == "none" else {"LIGER_DDP_PATCH_DISABLE": ""}
     result = run_probe(assets, mode, "dpo,kto", env=env, pythonpath=tuple(str(p) for p in pythonpath))

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from _fakes import RecordingEngine
+from harness import free_port
 from torch import nn
 
 from liger_ddp_patch import log
-from liger_ddp_patch.demo import free_port
 from liger_ddp_patch.patches import compute_loss, pitfalls
 from liger_ddp_patch.patches.trainers import DPO
 

@@ -8,8 +8,7 @@ DataParallel needs several GPUs).
 from __future__ import annotations
 
 import pytest
-
-from liger_ddp_patch.demo import run_probe
+from harness import run_probe
 
 pytestmark = pytest.mark.ddp  # real subprocesses, ~20 s each
 

@@ -112,7 +112,7 @@ def test_env_hook_adds_the_callback_and_unpatch_removes_it():
 
 @pytest.mark.ddp
 def test_unpatched_control_raises_naming_parameters(tiny_small):
-    from liger_ddp_patch.demo import run_probe
+    from harness import run_probe
 
     env = {"LIGER_DDP_PATCH_DISABLE": "1", "LIGER_DDP_PATCH_VERIFY": "1"}
     result = run_probe(tiny_small, "none", trainers="dpo", env=env, pythonpath=(EXAMPLE,))
@@ -129,7 +129,7 @@ def test_unpatched_control_raises_naming_parameters(tiny_small):
 
 @pytest.mark.ddp
 def test_patched_run_with_verifier_is_silent(tiny_small):
-    from liger_ddp_patch.demo import run_probe
+    from harness import run_probe
 
     result = run_probe(tiny_small, "before", trainers="dpo", env={"LIGER_DDP_PATCH_VERIFY": "1"})
     (run,) = result["results"]
@@ -163,7 +163,7 @@ def test_default_check_catches_a_desync_the_patches_miss(tiny_small, strict):
     """The hole of issue 31 as it was before the compile fix: torch_compile=True with DPO's routing turned off. The
     default check (LIGER_DDP_PATCH_VERIFY unset) warns on rank 0 with the parameters and the likely cause; the job
     goes on. Under LIGER_DDP_PATCH_STRICT=1 it raises instead."""
-    from liger_ddp_patch.demo import run_probe
+    from harness import run_probe
 
     env = {"LIGER_DDP_PATCH_DISABLE": "dpo_compute_loss", "LIGER_DDP_PATCH_STRICT": "1" if strict else ""}
     result = run_probe(tiny_small, "before", env=env, extra=("--configs", "dpo-compile"))

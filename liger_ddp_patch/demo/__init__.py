@@ -1,7 +1,8 @@
 """The main job: a real 2-rank CPU/gloo run of TRL's DPO and KTO with Liger, unpatched and patched.
 
-``liger-ddp-patch demo`` builds a tiny Qwen3 with a real-size vocabulary locally (no hub), runs :mod:`.probe` under
-``torchrun`` twice (package off, package on) and prints how many parameters' gradients differ across ranks.
+``liger-ddp-patch demo`` builds a tiny Qwen3 with a real-size vocabulary locally (no hub, :mod:`.tiny`), runs
+:mod:`.worker` under ``torchrun`` twice (package off, package on) and prints how many parameters' gradients differ
+across ranks. (The tests' 2-rank probe, with its many setups, is ``tests/harness``: not part of the package.)
 """
 
 from __future__ import annotations
@@ -14,87 +15,25 @@ import tempfile
 import time
 from pathlib import Path
 
-PROBE = Path(__file__).with_name("probe.py")
+WORKER = Path(__file__).with_name("worker.py")
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def run_probe(
-    assets: str | Path,
-    mode: str = "before",
-    trainers: str = "dpo,kto",
-    env: dict[str, str] | None = None,
-    pythonpath: tuple[str, ...] = (),
-    nproc: int = 2,
-    timeout: float = 900,
-    extra: tuple[str, ...] = (),
-    launch: tuple[str, ...] = (),
-) -> dict:
-    """Run the probe under ``torchrun`` and return rank 0's JSON (``log`` holds the combined output).
-
-    ``nproc=0`` runs it as one plain process, without torchrun. ``extra`` passes more probe options (``--steps``,
-    ``--grad-accum``, ``--eval-steps``, ``--bf16``, ``--lr``, ``--optim``, ``--grads-out``, ``--weights-out``,
-    ``--configs``, ``--arms``, ...), ``launch`` more torchrun options.
-    """
-    out = Path(tempfile.mkdtemp(prefix="liger-ddp-probe-")) / "result.json"
-    full_env = {**os.environ, **(env or {}), "PROBE_PATCH": mode, "OMP_NUM_THREADS": "1"}
-    full_env["PYTHONPATH"] = os.pathsep.join([*pythonpath, PACKAGE_ROOT, full_env.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep
-    )
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launch] if nproc else []
-    cmd = [sys.executable, *launcher, str(PROBE), "--assets", str(assets), "--trainers", trainers, "--out", str(out),
-           *extra]  # fmt: skip
-    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+def launch(assets: str | Path, trainers: str, patched: bool, env: dict[str, str] | None = None) -> dict:
+    """Run :mod:`.worker` on 2 CPU ranks under ``torchrun`` and return rank 0's JSON."""
+    out = Path(tempfile.mkdtemp(prefix="liger-ddp-demo-")) / "result.json"
+    full_env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1"}
+    full_env["PYTHONPATH"] = os.pathsep.join([PACKAGE_ROOT, full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
+           "--assets", str(assets), "--trainers", trainers, "--out", str(out)]  # fmt: skip
+    if patched:
+        cmd.append("--patched")
+    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=900)
     if not out.exists():
         raise RuntimeError(
-            f"probe produced no result (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+            f"demo run produced no result (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
         )
-    result = json.loads(out.read_text())
-    result["log"] = proc.stdout + proc.stderr
-    return result
-
-
-def run_probe_two_nodes(
-    assets: str | Path,
-    out: Path,
-    env: dict[str, str],
-    trainers: str = "dpo",
-    prefix: tuple[str, ...] = (),
-    extra: tuple[str, ...] = (),
-    timeout: float = 900,
-) -> tuple[dict | None, str]:
-    """The probe as two one-process torchrun "nodes" on loopback, as multi-node jobs run: ``(rank 0's JSON or None,
-    both nodes' output)``. ``prefix`` goes before each torchrun (e.g. ``liger-ddp-patch run --``); ``env`` is complete.
-
-    Each node writes to a file, not a pipe: a node blocked on a full pipe would hold the other at the exit barrier.
-    """
-    out.mkdir(parents=True, exist_ok=True)
-    result = out / "result.json"
-    port = free_port()
-    procs = []
-    for rank in (0, 1):
-        cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
-               "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", str(PROBE),
-               "--assets", str(assets), "--trainers", trainers, "--out", str(result), *extra]  # fmt: skip
-        with open(out / f"node{rank}.log", "w") as log:
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=out))
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    logs = "\n".join((out / f"node{rank}.log").read_text() for rank in (0, 1))
-    return (json.loads(result.read_text()) if result.exists() else None), logs
-
-
-def free_port() -> int:
-    """A TCP port free on loopback right now (for a rendezvous or a process-group store)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return json.loads(out.read_text())
 
 
 def _row(trainer: str, label: str, r: dict) -> str:
@@ -109,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="liger-ddp-patch demo", description=__doc__)
     parser.add_argument("--vocab-size", type=int, default=None, help="default: 151,936 (Qwen's real vocabulary)")
-    parser.add_argument("--trainers", default="dpo,kto")
+    parser.add_argument("--trainers", default="dpo,kto", help="dpo, kto or both, comma-separated")
     args = parser.parse_args(argv)
+    if unknown := set(args.trainers.split(",")) - {"dpo", "kto"}:
+        parser.error(f"the demo runs dpo and kto; not {', '.join(sorted(unknown))}")
 
     from .tiny import REAL_VOCAB, build
 
@@ -118,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     assets = build(tempfile.mkdtemp(prefix="liger-ddp-tiny-"), vocab_size=args.vocab_size or REAL_VOCAB)
     print(f"tiny Qwen3 (2 layers, vocab {args.vocab_size or REAL_VOCAB:,}) in {assets}; 2 ranks, CPU/gloo, one step")
     runs = {
-        "unpatched": run_probe(assets, "none", args.trainers, env={"LIGER_DDP_PATCH_DISABLE": "1"}),
-        "patched": run_probe(assets, "before", args.trainers),
+        "unpatched": launch(assets, args.trainers, patched=False, env={"LIGER_DDP_PATCH_DISABLE": "1"}),
+        "patched": launch(assets, args.trainers, patched=True),
     }
     print(f"TRL {runs['patched']['trl']}\n")
     print(f"{'trainer':<7} {'run':<10} {'params':>6} {'differing':>9} {'max|Δgrad|':>12}  loss module")

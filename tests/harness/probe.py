@@ -1,6 +1,7 @@
 """The 2-rank probe: one Liger step per trainer under ``torchrun``, then its gradients compared across ranks.
 
-It runs as a plain script and never imports this package unless asked.
+It runs as a plain script and never imports the package unless asked: the trainer specs and the tiny model's words
+and rows are read from the checkout's files (``liger_ddp_patch/patches/trainers.py``, ``liger_ddp_patch/demo/tiny.py``).
 
 Each rank trains on different rows, so gradients that were never all-reduced differ. Rank 0 writes a JSON result to
 ``--out``. Run without torchrun it is one plain process; ``--grads-out`` then keeps the gradients for a bitwise
@@ -21,6 +22,7 @@ import os
 import sys
 import tempfile
 import traceback
+from pathlib import Path
 
 PATCH_MODE = os.environ.get("PROBE_PATCH", "before")
 if PATCH_MODE == "before":
@@ -93,6 +95,7 @@ CONFIGS: dict[str, dict] = {
 }
 LOSS_VARIABLE = "LIGER_DDP_PATCH_LOSS"  # settings.LOSS, spelled out: importing the package here would patch TRL
 ARMS = ("liger", "fused", "off")  # use_liger_kernel=True; the same with TRL's fused loss kept; use_liger_kernel=False
+PACKAGE = Path(__file__).resolve().parents[2] / "liger_ddp_patch"  # the checkout's, first on the ranks' PYTHONPATH
 
 
 def setup(name: str, arm: str, args) -> argparse.Namespace:
@@ -113,16 +116,20 @@ def tag(name: str, arm: str) -> str:
 
 
 @functools.cache
-def trainer_specs() -> dict:
-    """The package's trainer specs by name, read from their file: importing liger_ddp_patch would patch TRL."""
+def package_file(relative: str):
+    """A module of the package read from its file: importing liger_ddp_patch would patch TRL."""
     import importlib.util
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "patches" / "trainers.py"
-    loader = importlib.util.spec_from_file_location("_liger_ddp_patch_trainer_specs", path)
+    loader = importlib.util.spec_from_file_location(f"_liger_ddp_patch_{Path(relative).stem}", PACKAGE / relative)
     module = importlib.util.module_from_spec(loader)
     loader.loader.exec_module(module)
-    return {spec.name: spec for spec in module.SPECS}
+    return module
+
+
+@functools.cache
+def trainer_specs() -> dict:
+    """The package's trainer specs by name."""
+    return {spec.name: spec for spec in package_file("patches/trainers.py").SPECS}
 
 
 def _trainer_classes(kind: str):
@@ -152,22 +159,9 @@ def _dataset(kind: str, rank: int):
     return Dataset.from_list(rows)
 
 
-WORDS = (  # liger_ddp_patch.demo.tiny builds its tokenizer from exactly these words
-    "rank question about something a good bad answer from the model is here yes no maybe "
-    "one two three four five six seven eight nine ten"
-).split()
-
-
 def prompt_rows(rank: int, n: int = 32) -> list[dict]:
-    """Preference rows that differ per rank, so unsynchronised gradients are guaranteed to differ."""
-    return [
-        {
-            "prompt": f"rank {WORDS[-10 + rank % 10]} question {WORDS[-10 + i % 10]} about something",
-            "chosen": f"a good answer from rank {WORDS[-10 + rank % 10]}",
-            "rejected": f"a bad answer from the model {WORDS[-10 + (rank + i) % 10]}",
-        }
-        for i in range(n)
-    ]
+    """Preference rows that differ per rank (the demo's, written with the tiny tokenizer's words)."""
+    return package_file("demo/tiny.py").prompt_rows(rank, n)
 
 
 STEPPED = "_stepped"  # a key of _watch_losses' record: set at the first optimizer step
