@@ -156,7 +156,7 @@ def _kto_step(arm, x, token_chunk_size):
 
 
 def _gemm_floor(x, token_chunk_size):
-    from liger_ddp_patch.losses._kernels import resolve_token_chunk_size
+    from liger_ddp_patch.losses._plan import resolve_token_chunk_size
 
     h, w, rh, rw, t = x["h"], x["w"], x["rh"], x["rw"], x["t"]
     V, H = w.shape

@@ -58,9 +58,9 @@ H = 896
 
 
 def _block(V: int, seed: int = 0, device: str = "cpu", hidden: int = H, rows: int | None = None):
-    from liger_ddp_patch.losses import _kernels
+    from liger_ddp_patch.losses import _plan
 
-    rows = rows or _kernels.resolve_token_chunk_size(None, V, device, torch.bfloat16)
+    rows = rows or _plan.resolve_token_chunk_size(None, V, device, torch.bfloat16)
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
     w = (torch.randn(V, hidden, generator=g) * 0.05).to(torch.bfloat16)
@@ -83,11 +83,11 @@ def _sweep(x, lab, mult):
 
 def accelerator_arms(V: int, device: str, hidden: int, compile_: bool, rows: int | None = None):
     """The arm set of a GPU, where the GEMM writes the fp32 block (``--device cuda`` or ``--as-accelerator``)."""
-    from liger_ddp_patch.losses import _kernels, _onepass
+    from liger_ddp_patch.losses import _onepass, _plan, _softmax
 
     h, w, labels, mult = _block(V, device=device, hidden=hidden, rows=rows)
     rows = h.shape[0]
-    fp32_out = _kernels.fp32_out(device, torch.bfloat16)
+    fp32_out = _plan.fp32_out(device, torch.bfloat16)
     half = torch.mm(h, w.t())
     block = torch.mm(h, w.t(), out_dtype=torch.float32) if fp32_out else half.float()  # the GEMM's fp32 block
     work = torch.empty_like(block)
@@ -96,7 +96,7 @@ def accelerator_arms(V: int, device: str, hidden: int, compile_: bool, rows: int
     def now():
         # the package's accelerator branch (max, sub, exp, sum; the row scale folded into the factor), then bf16
         x = work.copy_(block)
-        with mock.patch.object(_kernels, "fused_log_softmax", lambda device: False):
+        with mock.patch.object(_softmax, "fused_log_softmax", lambda device: False):
             _, _, k = _onepass._softmax_minus_onehot_(x, labels)
         x.mul_((mult if k is None else mult * k).unsqueeze(1))
         return out.copy_(x)
@@ -154,12 +154,12 @@ def _sync(device: str) -> None:
 
 def arms(V: int, tile_bytes: int, compile_: bool, hidden: int = H):
     """``{name: step}`` over one shared block; each step returns the bf16 gradient block it made."""
-    from liger_ddp_patch.losses import _kernels, _onepass
+    from liger_ddp_patch.losses import _gemm, _onepass, _plan, _softmax
 
     h, w, labels, mult = _block(V, hidden=hidden)
     rows = h.shape[0]
-    plan = _kernels.Plan(rows, torch.bfloat16, torch.float32, _kernels.logits_budget_bytes("cpu"), False)
-    bufs = _kernels.LogitsBuffers(rows, V, plan, torch.device("cpu"))
+    plan = _plan.Plan(rows, torch.bfloat16, torch.float32, _plan.logits_budget_bytes("cpu"), False)
+    bufs = _gemm.LogitsBuffers(rows, V, plan, torch.device("cpu"))
     half = torch.mm(h, w.t())  # the GEMM's bf16 block, made once (the sweeps must not pay for it)
     out = torch.empty_like(half)
     full = torch.empty(rows, V)
@@ -183,7 +183,7 @@ def arms(V: int, tile_bytes: int, compile_: bool, hidden: int = H):
 
     def one_exp():
         # the package's own accelerator branch (max, exp, sum; the row scale folded into the factor), on CPU tiles
-        with mock.patch.object(_kernels, "fused_log_softmax", lambda device: False):
+        with mock.patch.object(_softmax, "fused_log_softmax", lambda device: False):
             for s in range(0, rows, tile):
                 e = min(rows, s + tile)
                 x = full[s:e].copy_(half[s:e])

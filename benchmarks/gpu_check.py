@@ -166,7 +166,7 @@ def part_a(device: str, size: dict, reps: int, out_json: Path) -> list[dict]:
     sys.path[:0] = [str(HERE), str(ROOT)]
     import _arms
 
-    from liger_ddp_patch.losses import _kernels
+    from liger_ddp_patch.losses import _plan
 
     cuda = device == "cuda"
 
@@ -176,8 +176,8 @@ def part_a(device: str, size: dict, reps: int, out_json: Path) -> list[dict]:
     rows = []
     V, H, B, L = size["V"], size["H"], size["B"], size["L"]
     info = dict(
-        fp32_output_gemm=_kernels.fp32_output_gemm(device, torch.bfloat16),
-        default_chunk=_kernels.resolve_token_chunk_size(None, V, device, torch.bfloat16),
+        fp32_output_gemm=_plan.fp32_output_gemm(device, torch.bfloat16),
+        default_chunk=_plan.resolve_token_chunk_size(None, V, device, torch.bfloat16),
     )
     for frac in PROMPTS_A:
         x = _arms.make_inputs(B, L, H, V, frac, torch.bfloat16, device)

@@ -110,13 +110,13 @@ def test_guard_sees_an_aliased_functorch_call_inside_our_backward(forbid_functor
     must still see it, i.e. it reaches into the backward our losses run (on CPU, in this thread)."""
     from torch._functorch.eager_transforms import vjp as aliased  # the original, not the patched torch.func attr
 
-    from liger_ddp_patch.losses import _kernels
+    from liger_ddp_patch.losses import _gemm
 
     def broken(acc, a, b, fast):
         product, _ = aliased(lambda m: m @ b, a)
         acc.add_(product.to(acc.dtype))
 
-    monkeypatch.setattr(_kernels, "add_product", broken)
+    monkeypatch.setattr(_gemm, "add_product", broken)
     calls = forbid_functorch_and_compile
     loss, x = _dpo_step(ChunkedDPOLoss, token_chunk_size=5, one_pass=False)  # the two-pass backward
     assert x["weight"].grad is not None

@@ -13,7 +13,7 @@ import torch
 from _loss_cases import call_kto, fp64_dpo_truth, leaf_copies, load_reference
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss, _kernels, _onepass
+from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss, _onepass, _plan, _softmax
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -210,7 +210,7 @@ def test_autocast_kto_forward_backward_consistent(token_chunk_size, one_pass):
 
 
 def test_default_chunk_is_a_memory_budget_per_device():
-    r = _kernels.resolve_token_chunk_size
+    r = _plan.resolve_token_chunk_size
     assert r(None, 32_000) == 1048  # CPU, fp32: 128 MiB of fp32 logits, as before
     assert r(None, 32_000, device="cpu", compute_dtype=torch.float32) == 1048
     # CPU bf16 (no fp32-output GEMM): the bf16 GEMM output is the only block, swept on an 8 MiB fp32 tile taken
@@ -229,7 +229,7 @@ def test_default_chunk_is_a_memory_budget_per_device():
 
 
 def _emulate_fp32_output_gemm(monkeypatch):
-    """Force the accelerator branch on CPU: ``_kernels.fp32_out`` says yes for half dtypes,
+    """Force the accelerator branch on CPU: ``_plan.fp32_out`` says yes for half dtypes,
     ``torch.mm/addmm(..., out_dtype=torch.float32)`` run as CUDA's ``aten::mm.dtype``/``addmm.dtype`` do (half
     inputs, fp32 products and accumulation: exact here, a bf16 x bf16 product is exact in fp32; other calls pass
     through), and the softmax takes its non-fused steps (max, exp, sum, a row scale folded in by the caller).
@@ -254,8 +254,8 @@ def _emulate_fp32_output_gemm(monkeypatch):
 
     monkeypatch.setattr(torch, "mm", mm)
     monkeypatch.setattr(torch, "addmm", addmm)
-    monkeypatch.setattr(_kernels, "fp32_out", lambda device, dtype: dtype in HALF)
-    monkeypatch.setattr(_kernels, "fused_log_softmax", lambda device: False)
+    monkeypatch.setattr(_plan, "fp32_out", lambda device, dtype: dtype in HALF)
+    monkeypatch.setattr(_softmax, "fused_log_softmax", lambda device: False)
     return calls
 
 
@@ -290,7 +290,7 @@ def test_fp32_against_an_fp64_truth(token_chunk_size, one_pass):
 
 @pytest.mark.parametrize(("token_chunk_size", "one_pass"), [(8, False), (8, True), (36, True), (None, True)], ids=str)
 def test_fp64_against_an_fp64_truth(token_chunk_size, one_pass):
-    """fp64 inputs are computed in fp64 throughout (``_kernels.math_dtype``: log-sum-exps, per-token log-probs, row
+    """fp64 inputs are computed in fp64 throughout (``_plan.math_dtype``: log-sum-exps, per-token log-probs, row
     sums, accumulators), on both paths: the loss is fp64 and every quantity within 2.5e-15 of its scale from the
     fp64 truth (measured: up to 1.3e-15, grad-input on the one-pass path with long pairs).  Before, the per-token
     log-probs and row sums were fp32: the loss came back fp32, 2e-8 to 1.6e-7 off."""
@@ -314,7 +314,7 @@ def test_softmax_kernel_against_fp64_where_target_probabilities_underflow(monkey
     log-probs and log-sum-exps within 1e-6 of the logits' scale from fp64, the probabilities (times the returned
     row scale) within 1e-6.  Broken on purpose, ``lse = tgt - log(p[target])`` gives -inf here, and a log-prob
     scaled by 1.01 is off by ~4e-3 of the scale."""
-    monkeypatch.setattr(_kernels, "fused_log_softmax", lambda device: fused)
+    monkeypatch.setattr(_softmax, "fused_log_softmax", lambda device: fused)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 1000, generator=g) * 60
     lab = torch.randint(0, 1000, (64, 1), generator=g)
@@ -322,7 +322,7 @@ def test_softmax_kernel_against_fp64_where_target_probabilities_underflow(monkey
     assert (truth.gather(1, lab) < -104).float().mean() > 0.5  # the case under test: most targets underflow
 
     logits = x.clone()
-    logp, lse, k = _kernels.softmax_(logits, lab, probs=probs)
+    logp, lse, k = _softmax.softmax_(logits, lab, probs=probs)
     scale = x.abs().max().item()
     assert _max_err(logp, truth.gather(1, lab).squeeze(1)) <= 1e-6 * scale
     assert _max_err(lse, torch.logsumexp(x.double(), 1)) <= 1e-6 * scale
@@ -354,7 +354,7 @@ def test_fp32_output_gemm_branch_matches_the_plain_path(monkeypatch, token_chunk
     truth = fp64_dpo_truth(x, compute_nll_loss=True)  # not the code under test
     plain_path, plain = _step(inputs, token_chunk_size, one_pass, autocast)
     calls = _emulate_fp32_output_gemm(monkeypatch)
-    monkeypatch.setattr(_kernels, "vocab_block_rows", lambda V, H, budget: block)
+    monkeypatch.setattr(_plan, "vocab_block_rows", lambda V, H, budget: block)
     fast_path, fast = _step(inputs, token_chunk_size, one_pass, autocast)
     assert plain_path == fast_path == path
     # the branch ran: fp32 logits and grad-input, and an fp32 weight-gradient tile except where the one-pass path
@@ -482,4 +482,4 @@ def test_fp16_stored_scale_follows_the_incoming_gradient(monkeypatch):
     y = leaf_copies({k: (v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in x.items()})
     loss, _ = _dpo(ChunkedDPOLoss, y)
     (loss * GRAD_SCALE).backward()
-    assert scale.value == 4.0 and _onepass.LossScale().of(_kernels.Plan.of(y["hidden"], y["weight"], None)) is None
+    assert scale.value == 4.0 and _onepass.LossScale().of(_plan.Plan.of(y["hidden"], y["weight"], None)) is None

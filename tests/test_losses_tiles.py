@@ -14,7 +14,7 @@ import pytest
 import torch
 from _loss_cases import call_kto, leaf_copies, make_inputs
 
-from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss, _kernels, _tiles
+from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss, _plan, _tiles
 
 LABELS = torch.tensor([True, False] * 3)
 
@@ -63,7 +63,7 @@ def test_tiles_compute_what_the_block_sweep_computes(monkeypatch, kind, chunk, o
         monkeypatch.setattr(_tiles, "TILE_BYTES", tile_rows * 4 * V)
     sweep, vals, grads = _run(kind, x, token_chunk_size=chunk, one_pass=one_pass)
     assert sweep == "tiles"
-    monkeypatch.setattr(_kernels, "tiles_sweep", lambda *a, **k: False)
+    monkeypatch.setattr(_plan, "tiles_sweep", lambda *a, **k: False)
     block_sweep, block_vals, block_grads = _run(kind, x, token_chunk_size=chunk, one_pass=one_pass)
     assert block_sweep == "eager"
     for i, (a, b) in enumerate(zip(vals, block_vals)):

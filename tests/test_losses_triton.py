@@ -159,10 +159,10 @@ def test_where_triton_cannot_run_the_eager_sweep_runs_with_a_warning(monkeypatch
     """CPU tensors without the interpreter: a warning that says why, ``last_sweep`` says it too, and the results
     are the eager sweep's, bit for bit."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    from liger_ddp_patch.losses import _kernels
+    from liger_ddp_patch.losses import _plan
 
-    _kernels._triton_unavailable.cache_clear()
-    _kernels._warn_once.cache_clear()
+    _plan._triton_unavailable.cache_clear()
+    _plan._warn_once.cache_clear()
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(2, 6, 8, generator=g), torch.randn(50, 8, generator=g)
     t = torch.randint(0, 50, (2, 6), generator=g)

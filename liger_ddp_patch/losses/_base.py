@@ -1,12 +1,14 @@
 """The base of the chunked losses: a loss is a sum of per-group terms, and the base does the summing.
 
 A loss module (``dpo.py``, ``kto.py``) says which rows form a group (:meth:`ChunkedLinearLoss.group_of_row`: a DPO
-pair is rows ``i`` and ``i + P``, a KTO row is its own group) and the loss of *one* group
-(:meth:`ChunkedLinearLoss.group_loss`) from that group's per-row sums of token log-probs, its token counts and the
-batch constants of the call.  The base evaluates each group's term on that group's values alone and adds the terms,
-so a loss that couples groups (a batch mean, a ranking) cannot be written through this interface: that is what
-makes the one-pass path (``_onepass``, which forms a group's gradient as soon as its last token has passed) exact
-by construction, like Liger's chunked base whose subclasses return the loss of one chunk of pairs.
+pair is rows ``i`` and ``i + P``, a KTO row is its own group), its batch constants (:meth:`ChunkedLinearLoss.batch_of`),
+the loss of *one* group (:meth:`ChunkedLinearLoss.group_loss`) from that group's per-row sums of token log-probs,
+its token counts and the batch constants, and its metrics (:meth:`ChunkedLinearLoss.metrics`); its ``forward`` calls
+:meth:`ChunkedLinearLoss.run`, the skeleton every loss shares.  The base evaluates each group's term on that group's
+values alone and adds the terms, so a loss that couples groups (a batch mean, a ranking) cannot be written through
+this interface: that is what makes the one-pass path (``_onepass``, which forms a group's gradient as soon as its last
+token has passed) exact by construction, like Liger's chunked base whose subclasses return the loss of one chunk of
+pairs.
 
 A loss that is not a sum over groups overrides :meth:`ChunkedLinearLoss.batch_loss` instead; it always takes the
 two-pass path, and :attr:`ChunkedLinearLoss.last_path` says why.
@@ -18,14 +20,31 @@ import functools
 
 import torch
 
-from . import _kernels, _onepass, _twopass
-from ._kernels import Plan, needs_grad, resolve_token_chunk_size
+from . import _onepass, _plan, _tokens, _twopass
+from ._metrics import row_logit_sums
+from ._plan import Plan, resolve_token_chunk_size
+from ._tokens import needs_grad
 from ._workspace import workspace
 
-__all__ = ["ChunkedLinearLoss", "GroupedLoss", "one_workspace"]
+__all__ = ["ChunkedLinearLoss", "GroupedLoss", "check_reference", "one_workspace"]
 
 ONE_PASS, TWO_PASS, NO_GRAD = "one-pass", "two-pass", "forward only"
 NOT_A_SUM = "the loss is not a sum over groups (batch_loss): one pass would be wrong"
+
+
+def check_reference(use_ref_model, ref_input, ref_weight) -> None:
+    """With ``use_ref_model`` the reference tensors are required.
+
+    Exception types mirror what the fused Liger/TRL losses end up raising for the same mistake
+    (``TypeError`` for a missing ``ref_input`` -- from ``torch.chunk(None)`` -- and ``AttributeError`` for a
+    missing ``ref_weight`` -- from ``None.t()``), but with a clear message.
+    """
+    if not use_ref_model:
+        return
+    if ref_input is None:
+        raise TypeError("use_ref_model=True but ref_input is None: pass the reference model's hidden states")
+    if ref_weight is None:
+        raise AttributeError("use_ref_model=True but ref_weight is None: pass the reference model's LM-head weight")
 
 
 def one_workspace(forward):
@@ -80,8 +99,8 @@ class ChunkedLinearLoss(torch.nn.Module):
         super().__init__()
         if token_chunk_size is not None:
             resolve_token_chunk_size(token_chunk_size, 1)  # validate early
-        if sweep not in _kernels.SWEEPS:
-            raise ValueError(f"sweep must be one of {', '.join(map(repr, _kernels.SWEEPS))}, got {sweep!r}")
+        if sweep not in _plan.SWEEPS:
+            raise ValueError(f"sweep must be one of {', '.join(map(repr, _plan.SWEEPS))}, got {sweep!r}")
         self.ignore_index = ignore_index
         self.beta = beta
         self.compiled = compiled  # accepted for drop-in compatibility; nothing here is compiled
@@ -92,7 +111,7 @@ class ChunkedLinearLoss(torch.nn.Module):
         # True: gradients formed in the forward (``_onepass``) when one is needed; False: the two-pass path, which
         # holds no gradient between forward and backward (and no (V, H) sum for a pair longer than a chunk)
         self.one_pass = bool(one_pass)
-        self.sweep = sweep  # "triton": the (chunk, V) sweep as Triton kernels where they run (_kernels.sweep_of)
+        self.sweep = sweep  # "triton": the (chunk, V) sweep as Triton kernels where they run (_plan.sweep_of)
         self.last_path, self.last_chunk, self.last_sweep = None, None, None  # what the last forward did
 
     # ------------------------------------------------------------------------------------- what a loss provides
@@ -110,6 +129,32 @@ class ChunkedLinearLoss(torch.nn.Module):
         """Override only for a loss that is *not* a sum over groups (it then always takes the two-pass path)."""
         return None
 
+    def batch_of(self, target: torch.Tensor, ref_logps: torch.Tensor | None, device, **constants):
+        """The batch constants of one call (:meth:`group_loss` reads them) from the targets, the reference's
+        per-sequence log-probs (``None`` without ``use_ref_model``) and the loss's own forward arguments."""
+        raise NotImplementedError
+
+    def metrics(self, logps, sums, batch, row_sums, target, weight) -> tuple:
+        """The loss's detached metrics from the policy's per-sequence log-probs ``logps`` (averaged as asked), its
+        raw per-row sums, the batch constants and every row's sum of logits over all positions."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------- the forward
+
+    def run(self, hidden, weight, bias, target, ref_input, ref_weight, ref_bias, **constants):
+        """What every loss's ``forward`` does: the reference's log-probs (no gradient), the batch constants, the
+        policy loss as a sum over groups, and the metrics (no gradient). Returns ``(loss, metrics)``."""
+        check_reference(self.use_ref_model, ref_input, ref_weight)
+        ref_logps = None
+        if self.use_ref_model:
+            with torch.no_grad():
+                ref_logps = self.sequence_logps(ref_input, ref_weight, ref_bias, target)
+        batch = self.batch_of(target, ref_logps, hidden.device, **constants)
+        loss, sums, counts = self.policy_loss(hidden, weight, bias, target, batch)
+        with torch.no_grad():
+            row_sums = row_logit_sums(hidden, weight, bias)
+            return loss, self.metrics(self.averaged(sums, counts), sums, batch, row_sums, target, weight)
+
     # ------------------------------------------------------------------------------------------- shared pieces
 
     def averaged(self, sums, counts):
@@ -121,13 +166,13 @@ class ChunkedLinearLoss(torch.nn.Module):
         logp, rows, counts = _twopass.token_logprobs(
             hidden, weight, bias, target, self.ignore_index, self.token_chunk_size, self.sweep
         )
-        return self.averaged(_kernels.sequence_sums(logp, rows, target.shape[0]), counts)
+        return self.averaged(_tokens.sequence_sums(logp, rows, target.shape[0]), counts)
 
     def policy_loss(self, hidden, weight, bias, target, batch):
         """``(loss, per-row sums S (detached), counts)`` of the policy: the one-pass path when a gradient is needed
         and the loss is a sum over groups (unless ``one_pass=False``), else the two-pass path; recorded in
         :attr:`last_path` / :attr:`last_chunk` / :attr:`last_sweep`."""
-        sel = _kernels.select_tokens(hidden, target, self.ignore_index)
+        sel = _tokens.select_tokens(hidden, target, self.ignore_index)
         plan = Plan.of(hidden, weight, self.token_chunk_size, self.sweep, bias)
         path, loss_of = self._path(needs_grad(hidden, weight, bias), sel, batch)
         self.last_path, self.last_chunk, self.last_sweep = path, plan.chunk, plan.sweep
@@ -135,7 +180,7 @@ class ChunkedLinearLoss(torch.nn.Module):
             schedule = _onepass.group_chunks(sel.rows, loss_of.group_of_row, sel.counts, plan.chunk)
             loss, sums = _onepass.OnePassLoss.apply(sel.hidden2d, weight, bias, sel, plan, schedule, loss_of)
             return loss, sums, sel.counts
-        sums = _kernels.sequence_sums(_twopass.selected_logprobs(sel, weight, bias, plan), sel.rows, target.shape[0])
+        sums = _tokens.sequence_sums(_twopass.selected_logprobs(sel, weight, bias, plan), sel.rows, target.shape[0])
         return loss_of(sums), sums.detach(), sel.counts
 
     def _path(self, grad: bool, sel, batch):

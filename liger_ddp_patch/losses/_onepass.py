@@ -30,7 +30,7 @@ positions, one log-sum-exp and one factor per token) are kept as well, only so t
 path's peak.  In half precision the weight gradient is the result itself, updated in place by one GEMM per token
 chunk (``addmm_``: fp32 accumulation inside the GEMM, one rounding to the half dtype per chunk; Liger rounds its
 bf16 accumulator once per *pair*).  Under autocast (fp32 weight, half GEMMs) the fp32 result is updated one
-vocabulary block at a time (``_kernels.vocab_block_rows``).  Not supported (clear error): double backward.
+vocabulary block at a time (``_plan.vocab_block_rows``).  Not supported (clear error): double backward.
 """
 
 from __future__ import annotations
@@ -40,8 +40,11 @@ from typing import NamedTuple
 
 import torch
 
-from . import _kernels, _twopass
-from ._kernels import LogitsBuffers, Plan, Selection, no_autocast, softmax_
+from . import _gemm, _twopass
+from ._gemm import LogitsBuffers
+from ._plan import Plan, no_autocast
+from ._softmax import softmax_
+from ._tokens import Selection
 
 __all__ = ["Chunk", "LossScale", "OnePassLoss", "group_chunks", "loss_scale"]
 
@@ -191,7 +194,7 @@ class _Accumulator:
             self.written = True
         for v0 in range(0, self.t.shape[0], self.block):
             v1 = min(self.t.shape[0], v0 + self.block)
-            _kernels.add_product(self.t[v0:v1], q[:, v0:v1].t(), h, self.fast)
+            _gemm.add_product(self.t[v0:v1], q[:, v0:v1].t(), h, self.fast)
 
     def scale_into(self, result, factor):
         """``result += factor * self``, and ``self`` is unwritten again (reusable)."""

@@ -1,6 +1,6 @@
 """The ``(chunk, V)`` sweep as two Triton kernels: ``sweep="triton"`` (issue #22), imported only when selected.
 
-The eager sweep of an accelerator (``_kernels.softmax_`` and the one-pass scaling) makes about ten passes over the
+The eager sweep of an accelerator (``_softmax.softmax_`` and the one-pass scaling) makes about ten passes over the
 fp32 logits block a chunk's GEMM wrote (max, subtract, exp, sum, the target entry, the row factor, the cast).  Here
 it is three: one read for each row's log-sum-exp (a running max and sum over vocabulary tiles), then, once the
 loss has turned the log-probs into each row's factor ``mult``, one read and one write in the GEMM dtype:

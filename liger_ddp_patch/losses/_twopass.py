@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from . import _kernels
-from ._kernels import LogitsBuffers, Plan, Selection, needs_grad, no_autocast, softmax_
+from . import _gemm, _softmax, _tokens
+from ._gemm import LogitsBuffers
+from ._plan import Plan, no_autocast
+from ._softmax import softmax_
+from ._tokens import Selection, needs_grad
 
 __all__ = ["TokenLogProbs", "backward_chunks", "forward_chunks", "sequence_logprob_sums", "token_logprobs"]
 
@@ -113,7 +116,7 @@ class _Step:
         self.g = grad_logp.to(plan.mdtype).unsqueeze(1)
         self.bufs = LogitsBuffers(min(sel.positions.numel(), plan.chunk), block, plan, sel.hidden2d.device)
         # one block over the whole vocabulary on CPU: the softmax is recomputed by one fused in-place kernel
-        self.fused = whole and _kernels.fused_log_softmax(sel.hidden2d.device)
+        self.fused = whole and _softmax.fused_log_softmax(sel.hidden2d.device)
 
     def __call__(self, s, e, v0, w, b, acc):
         sel, plan, grads, g = self.sel, self.plan, self.grads, self.g[s:e]
@@ -138,9 +141,9 @@ class _Step:
             if grads.h_rows is None:
                 grads.h.index_copy_(0, pos, (glc @ w).to(grads.h.dtype))
             else:
-                _kernels.add_product(grads.h_rows[s:e], glc, w, plan.fast)
+                _gemm.add_product(grads.h_rows[s:e], glc, w, plan.fast)
         if acc is not None:
-            _kernels.add_product(acc, glc.t(), h, plan.fast)
+            _gemm.add_product(acc, glc.t(), h, plan.fast)
 
 
 def token_logprobs(hidden, weight, bias, target, ignore_index, token_chunk_size=None, sweep="eager"):
@@ -156,7 +159,7 @@ def token_logprobs(hidden, weight, bias, target, ignore_index, token_chunk_size=
         hidden/weight/bias when grad mode is on), ``rows`` int64 ``(N,)`` the batch row of every selected token,
         ``counts`` int64 ``(B,)`` the number of non-ignored tokens per row.
     """
-    sel = _kernels.select_tokens(hidden, target, ignore_index)
+    sel = _tokens.select_tokens(hidden, target, ignore_index)
     plan = Plan.of(hidden, weight, token_chunk_size, sweep, bias)
     return selected_logprobs(sel, weight, bias, plan), sel.rows, sel.counts
 
@@ -165,7 +168,7 @@ def sequence_logprob_sums(hidden, weight, bias, target, ignore_index=-100, token
     """``(B,)`` per-row sums of the non-ignored tokens' target log-probs (fp32; fp64 for fp64 inputs), never more than
     a ``(chunk, V)`` block of logits at a time; differentiable when grad mode is on (see :func:`token_logprobs`)."""
     logp, rows, _ = token_logprobs(hidden, weight, bias, target, ignore_index, token_chunk_size, sweep)
-    return _kernels.sequence_sums(logp, rows, target.shape[0])
+    return _tokens.sequence_sums(logp, rows, target.shape[0])
 
 
 def selected_logprobs(sel: Selection, weight, bias, plan: Plan):

@@ -38,7 +38,7 @@ Metrics (all detached, fp32), in order:
     chosen_logps (P,), rejected_logps (P,),
     chosen_logits_mean (), rejected_logits_mean ()  -- mean of the policy logits over *all* positions of the
         chosen / rejected rows, ignored (prompt/padding) positions included, i.e. Σ logits / (P · L · V),
-        as in Liger; computed without a GEMM (see ``_kernels.row_logit_sums``),
+        as in Liger; computed without a GEMM (see ``_metrics.row_logit_sums``),
     nll_loss () -- the NLL term above (0 when compute_nll_loss=False), not multiplied by alpha,
     chosen_rewards (P,) = β r_w, rejected_rewards (P,) = β r_l.
 
@@ -55,7 +55,6 @@ import torch
 import torch.nn.functional as F
 
 from ._base import ChunkedLinearLoss, one_workspace
-from ._kernels import check_reference, row_logit_sums
 
 __all__ = ["ChunkedDPOLoss", "dpo_preference_loss", "SUPPORTED_DPO_LOSS_TYPES"]
 
@@ -167,7 +166,7 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
             and the result does not depend on it; our memory is bounded by ``token_chunk_size`` instead.
         token_chunk_size: (our own keyword) number of non-ignored tokens projected per chunk; ``None`` = auto:
             one chunk's logits fill a memory budget of 128 MiB on CPU and 1 GiB on an accelerator
-            (``_kernels.resolve_token_chunk_size``; 1048 tokens for fp32 on CPU at V=32000).
+            (``_plan.resolve_token_chunk_size``; 1048 tokens for fp32 on CPU at V=32000).
         one_pass: (our own keyword) ``False`` forces the two-pass path: one more GEMM per policy token, but no
             gradient held from the forward to the backward (the one-pass path holds grad-input and the weight
             gradient, plus up to two ``(V, H)`` sums for pairs longer than a chunk: ``_onepass``).
@@ -232,39 +231,36 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
             ``(loss, (chosen_logps, rejected_logps, chosen_logits_mean, rejected_logits_mean, nll_loss,
             chosen_rewards, rejected_rewards))``.
         """
-        check_reference(self.use_ref_model, ref_input, ref_weight)
-        n_pairs, seq_len = target.shape[0] // 2, target.shape[1]
+        n_pairs = target.shape[0] // 2
         if target.shape[0] != 2 * n_pairs or n_pairs == 0:
             raise ValueError(
                 f"ChunkedDPOLoss expects 2 P rows (P chosen, then P rejected); got a batch of {target.shape[0]}"
             )
-        ref = (None, None)
-        if self.use_ref_model:
-            with torch.no_grad():
-                ref_seq = self.sequence_logps(ref_input, ref_weight, ref_bias, target)
-            ref = (ref_seq[:n_pairs], ref_seq[n_pairs:])
-        chosen_tokens = (target[:n_pairs] != self.ignore_index).sum()
-        batch = _Batch(n_pairs, *ref, chosen_tokens)
-        loss, sums, counts = self.policy_loss(_input, lin_weight, bias, target, batch)
-        with torch.no_grad():
-            seq = self.averaged(sums, counts)
-            _, chosen_rewards, rejected_rewards = self._preference(seq[:n_pairs], seq[n_pairs:], batch, ref)
-            if self.compute_nll_loss:
-                nll = -sums[:n_pairs].sum() / chosen_tokens
-            else:  # Liger returns 0.0 / count here: NaN when every chosen row is fully ignored
-                nll = torch.zeros((), dtype=sums.dtype, device=_input.device)
-            row_sums = row_logit_sums(_input, lin_weight, bias)
-        denom = float(n_pairs * seq_len * lin_weight.shape[0])
-        metrics = (
-            seq[:n_pairs],
-            seq[n_pairs:],
+        return self.run(_input, lin_weight, bias, target, ref_input, ref_weight, ref_bias)
+
+    def batch_of(self, target, ref_logps, device):
+        n_pairs = target.shape[0] // 2
+        refs = (None, None) if ref_logps is None else (ref_logps[:n_pairs], ref_logps[n_pairs:])
+        return _Batch(n_pairs, *refs, (target[:n_pairs] != self.ignore_index).sum())
+
+    def metrics(self, logps, sums, batch: _Batch, row_sums, target, weight):
+        n_pairs = batch.n_pairs
+        refs = (batch.ref_chosen, batch.ref_rejected)
+        _, chosen_rewards, rejected_rewards = self._preference(logps[:n_pairs], logps[n_pairs:], batch, refs)
+        if self.compute_nll_loss:
+            nll = -sums[:n_pairs].sum() / batch.chosen_tokens
+        else:  # Liger returns 0.0 / count here: NaN when every chosen row is fully ignored
+            nll = torch.zeros((), dtype=sums.dtype, device=sums.device)
+        denom = float(n_pairs * target.shape[1] * weight.shape[0])
+        return (
+            logps[:n_pairs],
+            logps[n_pairs:],
             row_sums[:n_pairs].sum() / denom,
             row_sums[n_pairs:].sum() / denom,
             nll,
             chosen_rewards,
             rejected_rewards,
         )
-        return loss, metrics
 
     def group_of_row(self, batch_size, device):
         return torch.arange(batch_size, device=device) % (batch_size // 2)  # pair i: rows i and i + P

@@ -36,7 +36,6 @@ from typing import NamedTuple
 import torch
 
 from ._base import ChunkedLinearLoss, one_workspace
-from ._kernels import check_reference, row_logit_sums
 
 __all__ = ["ChunkedKTOLoss", "kto_preference_loss"]
 
@@ -150,28 +149,27 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
         if preference_labels is None:
             # Same exception type as Liger's `assert preference_labels is not None, ...`
             raise AssertionError("preference_labels must be provided for unpaired preference loss")
-        check_reference(self.use_ref_model, ref_input, ref_weight)
-        labels = preference_labels.to(device=_input.device, dtype=torch.bool)
-        ref_logps = None
-        if self.use_ref_model:
-            with torch.no_grad():
-                ref_logps = self.sequence_logps(ref_input, ref_weight, ref_bias, target)
-        kl = _batch_kl(kl, target.shape[0], _input.device)
-        batch = _Batch(labels, ref_logps, kl, target.shape[0])
-        loss, sums, counts = self.policy_loss(_input, lin_weight, bias, target, batch)
-        with torch.no_grad():
-            logps = self.averaged(sums, counts)
-            _, chosen_rewards_sum, rejected_rewards_sum = kto_preference_loss(logps, labels, ref_logps, self.beta, kl)
-            row_sums = row_logit_sums(_input, lin_weight, bias)
-            metrics = (
-                (logps * labels).sum(),
-                (logps * ~labels).sum(),
-                (row_sums * labels).sum(),
-                (row_sums * ~labels).sum(),
-                chosen_rewards_sum,
-                rejected_rewards_sum,
-            )
-        return loss, metrics
+        return self.run(
+            _input, lin_weight, bias, target, ref_input, ref_weight, ref_bias, labels=preference_labels, kl=kl
+        )
+
+    def batch_of(self, target, ref_logps, device, labels, kl):
+        labels = labels.to(device=device, dtype=torch.bool)
+        return _Batch(labels, ref_logps, _batch_kl(kl, target.shape[0], device), target.shape[0])
+
+    def metrics(self, logps, sums, batch: _Batch, row_sums, target, weight):
+        labels = batch.labels
+        _, chosen_rewards_sum, rejected_rewards_sum = kto_preference_loss(
+            logps, labels, batch.ref_logps, self.beta, batch.kl
+        )
+        return (
+            (logps * labels).sum(),
+            (logps * ~labels).sum(),
+            (row_sums * labels).sum(),
+            (row_sums * ~labels).sum(),
+            chosen_rewards_sum,
+            rejected_rewards_sum,
+        )
 
     def group_loss(self, sums, counts, group, batch: _Batch):
         """Row ``group``'s term: ``loss_i / B`` (``kl`` is a detached batch constant)."""

@@ -23,7 +23,7 @@ def records(spec: TrainerSpec) -> tuple[Patch, ...]:
     """The spec's records: its compute_loss always; the 1.14.x compiled-model route and the loss swap (DPO/KTO) and the
     chunked KL log-probs (KTO) when it has them; the settings warning when some release of its Liger path drops or
     changes a setting (:mod:`.liger_settings`)."""
-    label, ours = spec.name.upper().replace("_", "-"), spec.loss.partition(":")[2]
+    label, ours = spec.name.upper().replace("_", "-"), spec.loss
     found = [
         _record(
             spec,

@@ -33,7 +33,7 @@ class TrainerSpec(NamedTuple):
     shapes: tuple[tuple[str, str], ...]  # (first release, compute_loss shape: a key of compute_loss.SHAPES, or "fixed")
     fused: tuple[str, ...] = ()  # the names the trainer module gives the fused loss class (Liger's; TRL 1.13's own)
     loss_attributes: tuple[str, ...] = ()  # where the trainer keeps the fused loss object it built (any release)
-    loss: str = ""  # our replacement, "module:Class" ("": the fused loss runs as is inside DDP's forward, no swap)
+    loss: str = ""  # our replacement, a class in liger_ddp_patch.losses ("": the fused loss runs in DDP's forward)
     # PEP 440 range of the releases with the bug, and the first release without it ("": the package's own range,
     # trl_versions.AFFECTED / FIXED_IN)
     affected: str = ""
@@ -86,10 +86,9 @@ class TrainerSpec(NamedTuple):
 
     def loss_class(self) -> type:
         """Imported on first use: the losses import torch, which the package itself never does at import time."""
-        import importlib
+        from .. import losses
 
-        module, _, name = self.loss.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return getattr(losses, self.loss)
 
 
 # Upstream: the ZeRO-3/FSDP-only redirect guard arrived in 1.9.0 (TRL PR #6372), the fix in 1.14.0 (PRs #7243, #7247).
@@ -102,7 +101,7 @@ DPO = TrainerSpec(
     shapes=(("1.0.0", "unredirected"), ("1.9.0", "guarded"), ("1.14.0", "fixed")),
     fused=("LigerFusedLinearDPOLoss", "FusedLinearDPOLoss"),
     loss_attributes=("liger_loss", "liger_loss_fn"),  # liger_loss_fn before 1.8.0
-    loss="liger_ddp_patch.losses:ChunkedDPOLoss",
+    loss="ChunkedDPOLoss",
     # 1.14.x redirect only when `model is not unwrapped_model`, which accelerate's unwrap of a compiled model defeats
     # (patches/_ddp.py); 1.15.0 dropped the Liger loss path (the loss runs in the model's own forward)
     compiled_hole=(">=1.14.0,<1.15.0", "1.15.0"),
@@ -118,7 +117,7 @@ KTO = TrainerSpec(
     shapes=(("1.0.0", "batch_metrics"), ("1.5.0", "unredirected"), ("1.9.0", "guarded"), ("1.14.0", "fixed")),
     fused=("LigerFusedLinearKTOLoss", "FusedLinearKTOLoss"),
     loss_attributes=("liger_loss", "liger_loss_fn", "kto_loss_fn"),  # kto_loss_fn 1.0.0-1.5.1, liger_loss_fn 1.6-1.7.1
-    loss="liger_ddp_patch.losses:ChunkedKTOLoss",
+    loss="ChunkedKTOLoss",
     compiled_hole=(">=1.14.0,<1.15.0", "1.15.0"),
     # 1.9.0-1.13.0: `_compute_kl_logps` multiplies the backbone's output by `lm_head.weight` (before: the whole model,
     # as with Liger off); 1.14.0 computes them chunked (PR #7243)

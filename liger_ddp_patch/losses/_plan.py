@@ -1,0 +1,230 @@
+"""The plan of one loss call: how many tokens per GEMM, in which dtype, within which memory budget, with which sweep.
+
+Memory: one budget (:func:`logits_budget_bytes`: 128 MiB on CPU, 1 GiB on an accelerator) bounds every
+temporary: the default token chunk is ``budget / (V * bytes per logit)`` (on CPU in half precision the half block
+alone, its sweep on an fp32 tile of ``_tiles.TILE_BYTES`` taken from the budget), and in half precision the two-pass
+backward walks the vocabulary in blocks of at most ``V / 4`` rows and ``budget / (4 H)`` rows
+(:func:`vocab_block_rows`), so that the fp32 accumulator of the weight gradient is one ``(block, H)`` tile.
+
+Precision: the GEMMs run in the *compute dtype*: the autocast dtype when ``torch.autocast`` is on for the inputs'
+device (as autocast would run ``F.linear``; fp64 inputs are left alone, as autocast does), else the inputs' dtype.
+Both paths run with autocast off (:func:`no_autocast`), so a recomputed softmax is the one whose log-sum-exp was
+stored.  The log-sum-exp, the softmax, the per-token log-probs and their row sums, all reductions and the gradient
+accumulators are fp32, and fp64 for fp64 inputs (:attr:`Plan.mdtype`: fp64 inputs are fp64 throughout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from . import _tiles
+
+__all__ = [
+    "LOGITS_BUDGET_BYTES",
+    "Plan",
+    "SWEEPS",
+    "compute_dtype",
+    "fp32_out",
+    "fp32_output_gemm",
+    "logits_budget_bytes",
+    "math_dtype",
+    "no_autocast",
+    "resolve_token_chunk_size",
+    "sweep_of",
+    "tiles_sweep",
+    "vocab_block_rows",
+]
+
+# Bytes one token chunk may spend on its logits (and, in half precision, the weight-gradient tile).  CPU: 128 MiB
+# (fp32: chunk * V <= 2**25).  Accelerators: 1 GiB, so that at Qwen's V = 151,936 a chunk is ~1,700 rows (an
+# H100/H200 GEMM wants well over ~220 rows) while staying a small slice of an 80-141 GB device.
+LOGITS_BUDGET_BYTES = {"cpu": 128 << 20, "accelerator": 1 << 30}
+
+MAX_DEFAULT_CHUNK = 8192
+
+
+def logits_budget_bytes(device=None) -> int:
+    """The default per-chunk memory budget for ``device`` (a ``torch.device``, a type string, or None = CPU)."""
+    kind = "cpu" if device is None else torch.device(device).type
+    return LOGITS_BUDGET_BYTES["cpu" if kind == "cpu" else "accelerator"]
+
+
+@functools.cache
+def fp32_output_gemm(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(fp32_acc, a, b, out_dtype=torch.float32, out=fp32_acc)`` works for half ``a, b`` here.
+
+    Probed once per (device type, dtype) on 2x2 tensors, result checked: CUDA with torch >= 2.10 says yes,
+    CPU (no kernel) and older torch say no, and then the callers fall back to a product in the compute dtype.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False
+    try:
+        a = torch.ones(2, 2, dtype=dtype, device=device_type)
+        acc = torch.ones(2, 2, dtype=torch.float32, device=device_type)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        logits = torch.mm(a, a, out_dtype=torch.float32)
+        return bool((acc == 3).all()) and logits.dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError, ValueError, AssertionError):
+        return False
+
+
+def fp32_out(device, dtype) -> bool:
+    """Whether the GEMMs of ``dtype`` on ``device`` write fp32 themselves (never on CPU)."""
+    kind = "cpu" if device is None else torch.device(device).type
+    return kind != "cpu" and fp32_output_gemm(kind, dtype)
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (TypeError, RuntimeError, ValueError):  # torch < 2.4, or a device type autocast does not know
+        pass
+    return None
+
+
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The GEMM dtype: autocast's when it is on for this device (fp64 excepted, as autocast does), else the inputs'."""
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    auto = _autocast_dtype(hidden.device.type)
+    return auto if auto is not None and dtype != torch.float64 else dtype
+
+
+def no_autocast(device: torch.device):
+    """Our GEMMs cast explicitly to the compute dtype: autocast must not re-cast them (nor the fp32 math)."""
+    if _autocast_dtype(device.type) is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
+def math_dtype(cdtype: torch.dtype) -> torch.dtype:
+    """The dtype of the softmax, the reductions and the accumulators: fp64 for fp64, else fp32."""
+    return torch.float64 if cdtype == torch.float64 else torch.float32
+
+
+def tiles_sweep(device, cdtype: torch.dtype, bias=None) -> bool:
+    """Whether a chunk's sweep runs on row tiles of its half-precision block (``_tiles``): on CPU (the GEMM writes
+    the half dtype), in half precision, without a bias (whose gradient is summed from the fp32 block)."""
+    kind = "cpu" if device is None else torch.device(device).type
+    return kind == "cpu" and cdtype in (torch.float16, torch.bfloat16) and bias is None
+
+
+def resolve_token_chunk_size(
+    token_chunk_size: int | None,
+    vocab_size: int,
+    device=None,
+    compute_dtype: torch.dtype = torch.float32,
+    budget_bytes: int | None = None,
+    tiles: bool | None = None,
+) -> int:
+    """Number of (non-ignored) tokens projected at once.
+
+    ``None`` fits one chunk's logits into :func:`logits_budget_bytes` of ``device``: ``budget // (V * b)``
+    tokens, clipped to ``[1, 8192]``, with ``b`` = 4 bytes per fp32 logit, plus the half-precision GEMM output
+    when the GEMM cannot write fp32 itself; with ``tiles`` (default: :func:`tiles_sweep` without a bias) ``b`` is
+    the half logit alone and the fp32 tile comes off the budget.  At ``V = 32000`` on CPU: 1048 tokens in fp32,
+    1966 in bf16; an accelerator in bf16 at ``V = 151,936``: 1766 tokens (1177 without an fp32-output GEMM).
+    """
+    if token_chunk_size is None:
+        budget = logits_budget_bytes(device) if budget_bytes is None else int(budget_bytes)
+        per_logit = math_dtype(compute_dtype).itemsize
+        if tiles if tiles is not None else tiles_sweep(device, compute_dtype):
+            per_logit, budget = compute_dtype.itemsize, max(0, budget - _tiles.TILE_BYTES)
+        elif compute_dtype.itemsize < per_logit and not fp32_out(device, compute_dtype):
+            per_logit += compute_dtype.itemsize
+        return max(1, min(MAX_DEFAULT_CHUNK, budget // (per_logit * max(1, int(vocab_size)))))
+    if isinstance(token_chunk_size, bool) or int(token_chunk_size) != token_chunk_size or token_chunk_size < 1:
+        raise ValueError(f"token_chunk_size must be a positive integer or None (auto), got {token_chunk_size!r}")
+    return int(token_chunk_size)
+
+
+def vocab_block_rows(vocab_size: int, hidden_size: int, budget_bytes: int) -> int:
+    """Rows of the vocabulary per backward block in half precision: <= V/4 and <= budget / (4 H)."""
+    return max(1, min(-(-vocab_size // 4), budget_bytes // (4 * max(1, hidden_size))))
+
+
+SWEEPS = ("eager", "triton")
+
+
+def sweep_of(sweep: str, device: torch.device, cdtype: torch.dtype, bias) -> str:
+    """The sweep over each ``(chunk, V)`` block a call runs: ``"triton"`` (``_triton.py``), else ``"tiles"``
+    (``_tiles.py``, :func:`tiles_sweep`) or ``"eager"``, with the reason when ``"triton"`` was asked for and cannot
+    run here (warned once per reason)."""
+    default = "tiles" if tiles_sweep(device, cdtype, bias) else "eager"
+    if sweep == "eager":
+        return default
+    why = _triton_unavailable(device.type)
+    if why is None and cdtype == torch.float64:
+        why = "fp64 inputs"
+    if why is None and bias is not None:
+        why = "an LM head with a bias"
+    if why is None:
+        return "triton"
+    _warn_once(f"sweep='triton' asked for, but {why}: the {default} sweep runs instead")
+    return f"{default} (triton: {why})"
+
+
+@functools.cache
+def _triton_unavailable(device_type: str) -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"a {device_type} tensor (Triton runs on CUDA, or on CPU with TRITON_INTERPRET=1)"
+    return None
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+class Plan(NamedTuple):
+    """How one call runs: ``chunk`` tokens per GEMM, the GEMM dtype ``cdtype``, the accumulation dtype ``mdtype``,
+    the per-chunk memory ``budget`` (bytes), ``fast`` (the GEMM writes fp32 from half inputs) and ``sweep``
+    (:func:`sweep_of`: ``"triton"`` or ``"tiles"`` when the block's softmax and gradient run as the row sweeps of
+    ``_triton.py`` or ``_tiles.py``)."""
+
+    chunk: int
+    cdtype: torch.dtype
+    mdtype: torch.dtype
+    budget: int
+    fast: bool
+    sweep: str = "eager"
+
+    @classmethod
+    def of(cls, hidden, weight, token_chunk_size: int | None, sweep: str = "eager", bias=None) -> Plan:
+        cdtype = compute_dtype(hidden, weight)
+        budget = logits_budget_bytes(hidden.device)
+        how = sweep_of(sweep, hidden.device, cdtype, bias)
+        tiles = how.startswith("tiles")
+        chunk = resolve_token_chunk_size(token_chunk_size, weight.shape[0], hidden.device, cdtype, budget, tiles)
+        return cls(chunk, cdtype, math_dtype(cdtype), budget, fp32_out(hidden.device, cdtype), how)
+
+    @property
+    def rows(self):
+        """The module whose ``row_lse`` / ``grad_`` sweep each half block (``_triton``, ``_tiles``), or None: the
+        block is converted to fp32 and swept with :func:`softmax_` (imported on first use: Triton only if asked)."""
+        if self.sweep == "triton":
+            from . import _triton
+
+            return _triton
+        return _tiles if self.tiles else None
+
+    @property
+    def tiles(self) -> bool:
+        """The ``_tiles`` sweep: a forward pass keeps the GEMM's half block as its only ``(chunk, V)`` block."""
+        return self.sweep.startswith("tiles")
+
+    def block_rows(self, weight: torch.Tensor) -> int:
+        """Vocabulary rows per block where the weight gradient needs an fp32 tile (half precision, or a weight of
+        another dtype than the GEMMs'); the whole vocabulary otherwise."""
+        V, H = weight.shape
+        blocked = self.cdtype.itemsize < self.mdtype.itemsize or weight.dtype != self.cdtype
+        return vocab_block_rows(V, H, self.budget) if blocked else V
