@@ -1,4 +1,5 @@
-"""Restore DDP gradient sync for TRL's DPO/KTO Liger loss path (TRL 1.9.0-1.13.0), without upgrading TRL.
+"""Restore DDP gradient sync for TRL's Liger losses without upgrading TRL: DPO and KTO (TRL 1.0.0-1.13.0, and a
+compiled model on 1.14.x), GKD, GOLD, Distillation and IW-OPD (the releases before their upstream fixes).
 
 Import this module before (or after) TRL; the patches apply when TRL's trainer modules load. Nothing heavy is
 imported here: torch, transformers and trl load only when TRL itself does.
@@ -9,7 +10,7 @@ imported here: torch, transformers and trl load only when TRL itself does.
 
 from __future__ import annotations
 
-from . import settings as _settings
+from . import environment as _environment
 from .engine import APPLIED, PENDING, Engine, PatchError, Status
 from .patches import NAMES as _NAMES
 from .patches import RECORDS as _RECORDS
@@ -27,7 +28,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_engine = Engine(_RECORDS, _settings.read(_NAMES))
+_engine = Engine(_RECORDS, _environment.read(_NAMES))
 _LOSS_SWAPS = frozenset(spec.chunked_loss_patch for spec in _SPECS)
 
 
@@ -39,10 +40,10 @@ def report(resolve: bool = False) -> list[Status]:
     """
     if resolve:
         _engine.resolve_pending()
-    rows, loss = _engine.report(), _settings.loss_options()
+    rows, loss = _engine.report(), _environment.loss_options()
     for row in rows:  # the options the DDP swap will give our loss (LIGER_DDP_PATCH_LOSS)
         if row.name in _LOSS_SWAPS and row.status in (APPLIED, PENDING):
-            row.reason += f"; loss options ({_settings.LOSS}): {loss.describe()}"
+            row.reason += f"; loss options ({_environment.LOSS}): {loss.describe()}"
     return rows
 
 

@@ -21,7 +21,7 @@ import affected
 import matrix
 import pytest
 
-from liger_ddp_patch import pth, settings
+from liger_ddp_patch import environment, pth
 from liger_ddp_patch.patches import NAMES
 from liger_ddp_patch.patches import trl_versions as tv
 from liger_ddp_patch.patches.trainers import SPECS
@@ -35,8 +35,8 @@ FIRST_SCREEN = 45  # lines: "is this me?" (the affected table) to "it is on" (im
 # Variables the test harness (not the package) reads: .ci/trl_matrix.sh and tests/test_matrix.py.
 HARNESS = {"LIGER_DDP_PATCH_FULL_MATRIX", "LIGER_DDP_PATCH_TRL_DIRS", "LIGER_DDP_PATCH_LIGER_DIRS",
            "LIGER_DDP_PATCH_MATRIX_OUT"}  # fmt: skip
-# Documented ahead of the code landing in parallel (the loss settings); drop once settings.py defines it.
-PENDING: set[str] = set()  # variables documented before settings.py reads them (none today)
+# Documented ahead of the code landing in parallel (the loss settings); drop once environment.py defines it.
+PENDING: set[str] = set()  # variables documented before environment.py reads them (none today)
 # Programs whose inline commands are checked; anything else in backticks is a name, not a command.
 PROGRAMS = ("liger-ddp-patch", "python", "python3", "bash", "torchrun", "accelerate", "pip")
 REPO_DIRS = ("tests/", "benchmarks/", "liger_ddp_patch/", "sitecustomize_example/", ".ci/", "docs/")
@@ -124,8 +124,8 @@ def cli_grammar() -> tuple[set[str], set[str], dict[str, set[str]]]:
 
 
 def known_variables() -> tuple[set[str], set[str]]:
-    """(user-facing: settings.py's names, the .pth switch, the pending ones; everything the harness reads too)."""
-    package = {v for v in vars(settings).values() if isinstance(v, str) and v.startswith("LIGER_DDP_PATCH_")}
+    """(user-facing: environment.py's names, the .pth switch, the pending ones; everything the harness reads too)."""
+    package = {v for v in vars(environment).values() if isinstance(v, str) and v.startswith("LIGER_DDP_PATCH_")}
     user = package | {pth.VARIABLE} | PENDING
     harness_sources = read(".ci/trl_matrix.sh") + read("tests/test_matrix.py") + read("tests/matrix.py")
     assert HARNESS <= set(re.findall(r"LIGER_DDP_PATCH_[A-Z_]+", harness_sources)), "HARNESS names a dead variable"
@@ -213,9 +213,9 @@ def test_settings_table_lists_every_user_variable():
 
 
 def test_pending_variables_are_still_pending():
-    """Once the loss settings land in settings.py, PENDING must shrink (then their parser is what is checked)."""
-    package = {v for v in vars(settings).values() if isinstance(v, str) and v.startswith("LIGER_DDP_PATCH_")}
-    assert not PENDING & package, f"now defined in settings.py: remove {sorted(PENDING & package)} from PENDING"
+    """Once the loss settings land in environment.py, PENDING must shrink (then their parser is what is checked)."""
+    package = {v for v in vars(environment).values() if isinstance(v, str) and v.startswith("LIGER_DDP_PATCH_")}
+    assert not PENDING & package, f"now defined in environment.py: remove {sorted(PENDING & package)} from PENDING"
 
 
 @pytest.mark.parametrize("doc", DOCS)

@@ -12,7 +12,7 @@ import pytest
 
 from liger_ddp_patch.engine import Engine, Patch, PatchError
 from liger_ddp_patch.engine import hooks as engine_mod
-from liger_ddp_patch.settings import DISABLE, Settings
+from liger_ddp_patch.environment import DISABLE, Settings
 
 _counter = itertools.count()
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from .. import log
-from ..settings import DISABLE, STRICT, Settings
+from ..environment import DISABLE, STRICT, Settings
 from .decide import decide, decide_unimportable
 from .records import (
     APPLIED,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import settings
+from .. import environment
 from . import _shape
 from .trainers import TrainerSpec
 
@@ -59,12 +59,12 @@ def swap(trainer: Any, fused: type | None, spec: TrainerSpec) -> str:
         return f"loss {type(loss).__name__} kept (not the {fused.__name__} that {patch} checked)"
     accepted = _shape.parameters(ours.__init__)[1:]
     kept = {p: getattr(loss, p) for p in accepted if hasattr(loss, p)}
-    options = {k: v for k, v in settings.loss_options().overrides().items() if k in accepted}
+    options = {k: v for k, v in environment.loss_options().overrides().items() if k in accepted}
     replacement = ours(**kept, **options)
     said = f"fused loss {fused.__name__} → {ours.__name__}"
     if options:
         said += (
-            f" ({settings.LOSS}: {', '.join(f'{k}={int(v) if type(v) is bool else v}' for k, v in options.items())})"
+            f" ({environment.LOSS}: {', '.join(f'{k}={int(v) if type(v) is bool else v}' for k, v in options.items())})"
         )
     setattr(replacement, _SWAPPED, said)
     setattr(trainer, attribute, replacement)

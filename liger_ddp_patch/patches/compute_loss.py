@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import settings
+from .. import environment
 from ..log import announce
 from . import _ddp, _shape, chunked_loss, kl_logps, pitfalls
 from .trainers import TrainerSpec
@@ -238,7 +238,7 @@ def autocast_precision(trainer: Any) -> str | None:
     precision = str(getattr(accelerator, "mixed_precision", "no"))
     if precision not in ("bf16", "fp16") or not getattr(accelerator, "native_amp", False):
         return None
-    return None if settings.loss_options().autocast is False else precision
+    return None if environment.loss_options().autocast is False else precision
 
 
 def redirect_forward(wrapper: Any, inner: Any, method: Any, *args: Any, **kwargs: Any) -> Any:

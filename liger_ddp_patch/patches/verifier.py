@@ -10,31 +10,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import settings
+from .. import environment
 from ..engine import Patch
 
 NAME = "gradient_sync_check"
 
 
-def gate(current: settings.Settings) -> tuple[str | None, str]:
+def gate(current: environment.Settings) -> tuple[str | None, str]:
     """``(why the check is off, or None; what it does)`` under ``current``."""
     every = current.verify_every
     if every > 0:
         return None, (
-            f"{settings.VERIFY}={every}: at the first optimizer step and every {every} after, raising "
+            f"{environment.VERIFY}={every}: at the first optimizer step and every {every} after, raising "
             "GradientDesyncError if the ranks' gradients differ"
         )
     if not current.check_first:
-        return f"disabled by {settings.VERIFY}=0", ""
+        return f"disabled by {environment.VERIFY}=0", ""
     if current.disable_all:
-        return f"disabled by {settings.DISABLE} (with it, only {settings.VERIFY}=N checks gradients)", ""
+        return f"disabled by {environment.DISABLE} (with it, only {environment.VERIFY}=N checks gradients)", ""
     if current.strict:
         return None, (
-            f"{settings.VERIFY} unset: once, at the first optimizer step under DDP, raising GradientDesyncError "
-            f"if the ranks' gradients differ ({settings.STRICT}=1)"
+            f"{environment.VERIFY} unset: once, at the first optimizer step under DDP, raising GradientDesyncError "
+            f"if the ranks' gradients differ ({environment.STRICT}=1)"
         )
     return None, (
-        f"{settings.VERIFY} unset: once, at the first optimizer step under DDP, a WARNING if the ranks' gradients "
+        f"{environment.VERIFY} unset: once, at the first optimizer step under DDP, a WARNING if the ranks' gradients "
         "differ"
     )
 

@@ -1,13 +1,13 @@
 import pytest
 
-from liger_ddp_patch import settings
-from liger_ddp_patch.settings import SettingsWarning
+from liger_ddp_patch import environment
+from liger_ddp_patch.environment import SettingsWarning
 
 KNOWN = frozenset({"dpo_compute_loss", "kto_compute_loss", "dpo_chunked_loss", "kto_chunked_loss"})
 
 
 def read(**env):
-    return settings.read(KNOWN, {k: v for k, v in env.items()})
+    return environment.read(KNOWN, {k: v for k, v in env.items()})
 
 
 def test_defaults():
@@ -82,7 +82,7 @@ def test_the_liger_settings_records_are_disabled_by_name():
     """The warnings about what TRL's Liger path ignores have their own opt-out (the real patch names)."""
     from liger_ddp_patch.patches import NAMES
 
-    s = settings.read(NAMES, {"LIGER_DDP_PATCH_DISABLE": "dpo_liger_settings,kto_liger_settings"})
+    s = environment.read(NAMES, {"LIGER_DDP_PATCH_DISABLE": "dpo_liger_settings,kto_liger_settings"})
     assert s.disabled == {"dpo_liger_settings", "kto_liger_settings"}
     assert not s.is_disabled("kto_compute_loss")
 
@@ -92,9 +92,9 @@ def test_the_liger_settings_records_are_disabled_by_name():
 
 @pytest.fixture
 def fresh_loss_parse():
-    settings.parse_loss.cache_clear()  # each distinct value warns once per process: these tests need it again
+    environment.parse_loss.cache_clear()  # each distinct value warns once per process: these tests need it again
     yield
-    settings.parse_loss.cache_clear()
+    environment.parse_loss.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -134,16 +134,16 @@ def test_bad_loss_options_warn_and_keep_the_defaults(fresh_loss_parse, value, ba
 
 def test_loss_options_describe_the_defaults():
     defaults = "one_pass=1 (default), token_chunk_size=auto (default), sweep=eager (default), autocast=1 (default)"
-    assert settings.LossOptions().describe() == defaults
+    assert environment.LossOptions().describe() == defaults
     set_all = "one_pass=0, token_chunk_size=512, sweep=triton, autocast=0"
-    assert settings.LossOptions(False, 512, "triton", False).describe() == set_all
+    assert environment.LossOptions(False, 512, "triton", False).describe() == set_all
 
 
 def test_autocast_option_is_read_and_never_reaches_the_losses():
     """``autocast=0`` is for the routed path (patches/compute_loss.py), not a keyword of our losses: the swap passes
     only the keys our loss accepts (tests below)."""
-    assert settings.parse_loss("autocast=0").autocast is False
-    assert settings.parse_loss("autocast=1,one_pass=0").overrides() == {"autocast": True, "one_pass": False}
+    assert environment.parse_loss("autocast=0").autocast is False
+    assert environment.parse_loss("autocast=1,one_pass=0").overrides() == {"autocast": True, "one_pass": False}
 
 
 @pytest.mark.parametrize(
@@ -170,7 +170,7 @@ def test_the_swap_builds_our_loss_with_the_options(fresh_loss_parse, monkeypatch
         return trainer.liger_loss, said
 
     loss, said = swapped(value)
-    options = settings.parse_loss(value).overrides()
+    options = environment.parse_loss(value).overrides()
     assert type(loss).__name__ == f"Chunked{kind.upper()}Loss" and loss.beta == 0.25
     assert (loss.one_pass, loss.token_chunk_size) == (options.get("one_pass", True), options["token_chunk_size"])
     assert loss.sweep == options.get("sweep", "eager")
