@@ -590,10 +590,11 @@ def main(argv=None) -> int:
             k = (rnd + i) % len(arms)
             for arm in arms[k:] + arms[:k]:  # the order rotates: no arm always runs first or last
                 est, how = estimate_gib(arm, cfg, size, measured)
+                est *= args.nproc / 2  # the estimates are for two ranks (--nproc 1: one rank's memory alone)
                 free = _available_gib(est + 2 if est <= args.mem_limit_gib else 0.0) if args.device == "cpu" else 0.0
                 res = dict(arm=arm, trainer=cfg[0], dtype=cfg[1], prompt=cfg[2], L=cfg[3], estimate_gib=est)
                 if args.device == "cpu" and est > args.mem_limit_gib:
-                    res["error"] = (f"not run here: memory (estimated {est:.1f} GiB for 2 ranks > "
+                    res["error"] = (f"not run here: memory (estimated {est:.1f} GiB for {args.nproc} ranks > "
                                     f"{args.mem_limit_gib:g} GiB; {how})")  # fmt: skip
                 elif args.device == "cpu" and est + 2 > free:
                     res["error"] = f"not run here: memory (estimated {est:.1f} GiB; {free:.1f} GiB available now)"

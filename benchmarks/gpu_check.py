@@ -62,13 +62,19 @@ WHEELS = [
 ]
 DDP_TRL = ("1.12.0", "1.8.0")
 # (c) the whole DDP step (benchmarks/bench_step.py): Qwen2.5-7B's head (V, H) over 2 of its layers, bf16
-STEP_ARMS = ("patched", "off", "trl114")  # --step-arms may add patched_triton (the loss's Triton sweep)
+STEP_ARMS = ("patched", "off", "trl114")
+# --step-arms may add bench_step's extra arms: patched_triton (the loss's Triton sweep), patched_noautocast (the routed
+# path before autocast, issue 32), patched_fullkl (KTO's KL logits before issue 32 item 3); any arm + BF16_REF runs
+# with a bf16 ref_model instead of TRL's own float32 reference (issue 32 item 4: both in one call)
+EXTRA_STEP_ARMS = ("patched_triton", "patched_noautocast", "patched_fullkl")
+BF16_REF = "+bf16ref"
 STEP_TRAINERS = ("dpo", "kto")
 SMOKE_STEP_TRAINERS = ("kto",)  # the CPU smoke: KTO's three launches (tests/test_bench_step.py launches DPO)
 STEP_PROMPT = 0.5
 GPU_STEP = dict(V=151_936, H=3_584, layers=2, intermediate=18_944, heads=28, kv_heads=4, head_dim=128, L=4_096)
 SMOKE_STEP = dict(V=512, H=32, layers=2, intermediate=64, heads=2, kv_heads=1, head_dim=16, L=32)
-ARMS_A = ("ours", "ours_long", "ours_2p", "liger_c", "trl114", "mat")
+ARMS_A = ("ours", "ours_long", "ours_2p", "ours_tri", "liger_c", "trl114", "mat", "gemm")
+FLOOR_A = "gemm"  # the head's GEMMs alone (_arms.py): a floor, not a loss (no error against the truth)
 PROMPTS_A = (0.5, 0.0)
 GPU_SIZE = dict(V=151_936, H=3_584, B=16, L=512)
 SMOKE_SIZE = dict(V=512, H=64, B=2, L=64)
@@ -191,7 +197,7 @@ def part_a(device: str, size: dict, reps: int, out_json: Path) -> list[dict]:
                 step = _arms.make_step("ours", x, L // 2) if arm == "ours_long" else _arms.make_step(arm, x)
                 x["h"].grad = x["w"].grad = None
                 loss = step()  # warm-up (compiles liger_c); its result is the one checked
-                row["err"] = _arms.rel_errors(loss, x["h"].grad, x["w"].grad, ref)
+                row["err"] = {} if arm == FLOOR_A else _arms.rel_errors(loss, x["h"].grad, x["w"].grad, ref)
                 row["grad_fn"] = getattr(step, "grad_fn", None)
                 times, peak = [], 0
                 for _ in range(reps):
@@ -326,16 +332,18 @@ def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
     for trainer in trainers:
         for arm in args.step_arms:
             row = dict(trainer=trainer, arm=arm, L=L, prompt=STEP_PROMPT, V=size["V"], H=size["H"])
+            base, bf16_ref = arm.removesuffix(BF16_REF), arm.endswith(BF16_REF) or args.ref_same_dtype
+            opts.ref_same_dtype = bf16_ref
             left = deadline - time.monotonic()
             if left < 30:
                 row["error"] = "not run: the time budget was spent"
             else:
                 opts.timeout = min(args.timeout_c, left)
-                prefix = out / f"memory-{trainer}-{arm}"
+                prefix = out / f"memory-{trainer}-{arm.replace('+', '-')}"
                 if args.memory:  # one more step, not timed: rank 0's peak by site (_memory.py)
                     os.environ["BENCH_STEP_MEMORY"] = str(prefix)
                 try:
-                    res = bench_step.launch(arm, (trainer, "bf16", STEP_PROMPT, L), opts, assets, work, trl)
+                    res = bench_step.launch(base, (trainer, "bf16", STEP_PROMPT, L), opts, assets, work, trl)
                 finally:
                     os.environ.pop("BENCH_STEP_MEMORY", None)
                 memory = Path(f"{prefix}.rank0.json")
@@ -343,18 +351,19 @@ def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
                     row["memory"] = json.loads(memory.read_text())
                     memory.unlink()
                 res["warmup"] = 1
-                row.update(bench_step.summarise(arm, [res]), wall_s=round(res["wall_s"], 1), run=res)
+                row.update(bench_step.summarise(base, [res]), wall_s=round(res["wall_s"], 1), run=res)
+                row["reference"] = "bf16" if bf16_ref else "TRL's (float32)"
                 row["times"] = [rank["times"] for rank in res.get("ranks", [])]  # per rank: warm-up, measured
                 if "error" in row:
                     row["log_tail"] = res.get("log_tail", "")[-1500:]
             rows.append(row)
             (out / "part_c.json").write_text(json.dumps(rows, default=str))
             print(json.dumps({k: v for k, v in row.items() if k not in ("run", "log_tail")}), file=sys.stderr)
-    for trainer in trainers:  # patched / each arm, the issue's question
-        mine = next(r for r in rows if r["trainer"] == trainer and r["arm"] == "patched")
-        for r in rows:
-            if r["trainer"] == trainer and "error" not in r and "error" not in mine:
-                r["patched_time"], r["patched_mem"] = mine["s"] / r["s"], mine["peak_gib"] / r["peak_gib"]
+    for r in rows:  # patched / each arm with the same reference model, the issue's question
+        suffix = BF16_REF if r["arm"].endswith(BF16_REF) else ""
+        mine = next((m for m in rows if m["trainer"] == r["trainer"] and m["arm"] == "patched" + suffix), None)
+        if mine is not None and "error" not in r and "error" not in mine:
+            r["patched_time"], r["patched_mem"] = mine["s"] / r["s"], mine["peak_gib"] / r["peak_gib"]
     return rows
 
 
@@ -458,14 +467,17 @@ def clear_outputs(out: Path) -> None:
 def targets(rows_c: list[dict]) -> list[str]:
     """The issue's targets per trainer: patched no slower than off and trl114 (and its memory against off's)."""
     lines = []
+    arms = dict.fromkeys(r.get("arm") for r in rows_c)
+    peers = [a for a in arms if a and a.removesuffix(BF16_REF) in ("patched_triton", "off", "trl114")]
     for trainer in dict.fromkeys(r.get("trainer") for r in rows_c):
-        for peer in ("patched_triton", "off", "trl114"):
+        for peer in peers:
             r = next((r for r in rows_c if r.get("trainer") == trainer and r.get("arm") == peer), {})
             if "patched_time" in r:
                 verdict = "met" if r["patched_time"] <= 1.0 else "MISSED"
-                if peer == "patched_triton":  # not a target: the sweep's gain (> 1: the Triton sweep is faster)
+                if peer.startswith("patched_triton"):  # not a target: the sweep's gain (> 1: Triton is faster)
                     verdict = "the Triton sweep faster" if r["patched_time"] > 1.0 else "the Triton sweep not faster"
-                lines.append(f"{trainer} patched/{peer}: time {r['patched_time']:.2f} ({verdict}), "
+                mine = "patched" + (BF16_REF if peer.endswith(BF16_REF) else "")
+                lines.append(f"{trainer} {mine}/{peer}: time {r['patched_time']:.2f} ({verdict}), "
                              f"peak memory {r['patched_mem']:.2f}")  # fmt: skip
             elif any(r.get("arm") == peer for r in rows_c):
                 lines.append(f"{trainer} patched/{peer}: no ratio ({(r.get('error') or 'patched failed')[:80]})")
@@ -480,7 +492,7 @@ def render_c(info: dict, rows_c: list[dict]) -> list[str]:
         "",
         f"(c) one whole DDP training step, bf16, V={c.get('V', 0):,} H={c.get('H', 0):,} {c.get('layers')} layers, "
         f"L={c.get('L', 0):,}, {c.get('prompt', 0):.0%} prompt, 2 ranks ({info['ddp_device']}, gloo), per rank a DPO "
-        f"pair / 2 KTO rows; reference model {c.get('reference', '?')}; peak = "
+        f"pair / 2 KTO rows; reference model {c.get('reference', '?')} (arms{BF16_REF}: bf16); peak = "
         f"{'max allocated' if info['device'] == 'cuda' else 'VmHWM'} per rank",
         f"{'trainer':7} {'arm':9} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9} {'patched/arm time':>17} "
         f"{'patched/arm mem':>16}  loss",
@@ -517,10 +529,10 @@ def render(info: dict, rows_a: list[dict], rows_b: list[dict], rows_c: list[dict
             continue
         e = r["err"]
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
-        lines.append(
-            f"{r['prompt']:>6.0%} {r['arm']:8} {r['ms']:>10.1f} {peak:>9} {e['loss']:>9.1e} "
-            f"{e['grad_h']:>9.1e} {e['grad_w']:>9.1e}  {r.get('grad_fn')}"
-        )
+        errs = " ".join(f"{e[k]:>9.1e}" for k in ("loss", "grad_h", "grad_w")) if e else f"{'(a floor)':>29}"
+        floor = next((f for f in rows_a if f.get("arm") == FLOOR_A and f.get("prompt") == r["prompt"]), {})
+        vs = f"  {r['ms'] / floor['ms']:.2f}x the GEMM floor" if floor.get("ms") and r["arm"] != FLOOR_A else ""
+        lines.append(f"{r['prompt']:>6.0%} {r['arm']:8} {r['ms']:>10.1f} {peak:>9} {errs}  {r.get('grad_fn')}{vs}")
     lines += [
         "",
         f"(b) DDP, two one-process nodes on loopback, {info['ddp_device']}, gloo, tiny Qwen3 "
@@ -550,7 +562,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout-c", type=float, default=None, help="seconds per step launch (GPU 150, CPU 600)")
     ap.add_argument("--reps-c", type=int, default=2, help="(c): measured steps per launch, after one warm-up")
     ap.add_argument("--step-arms", default=",".join(STEP_ARMS),
-                    help="(c): arms in launch order, patched first (patched_triton: the Triton sweep)")  # fmt: skip
+                    help="(c): arms in launch order, patched first (+bf16ref: with a bf16 ref_model)")  # fmt: skip
     ap.add_argument("--step-length", type=int, default=None, help="(c): sequence length (GPU 4096, CPU smoke 32)")
     ap.add_argument(
         "--memory",
@@ -568,8 +580,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.step_arms = tuple(args.step_arms.split(","))
-    if args.step_arms[0] != "patched" or not set(args.step_arms) <= {*STEP_ARMS, "patched_triton"}:
-        ap.error(f"--step-arms: patched first, then any of {', '.join(STEP_ARMS[1:])}, patched_triton")
+    known = {a + ref for a in (*STEP_ARMS, *EXTRA_STEP_ARMS) for ref in ("", BF16_REF)}
+    if args.step_arms[0] != "patched" or not set(args.step_arms) <= known:
+        ap.error(f"--step-arms: patched first, then any of {', '.join((*STEP_ARMS[1:], *EXTRA_STEP_ARMS))}, each "
+                 f"also with {BF16_REF} (a bf16 ref_model)")  # fmt: skip
     if args.print_wheels:
         print("\n".join(f"{d}=={v}" for d, v, _ in WHEELS))
         return 0

@@ -17,6 +17,10 @@ sys.path.insert(0, str(SCRIPT.parent))
 
 import gpu_check  # noqa: E402
 
+# (c) as the prepared GPU call runs it (issue 32 item 4): TRL's float32 reference and a bf16 ref_model in one call,
+# KTO's KL logits before issue 32 item 3 (the patched rows' ratios are against the patched row of the same reference)
+SMOKE_ARMS = "patched,off,trl114,patched_fullkl,patched+bf16ref,trl114+bf16ref"
+
 
 @pytest.mark.ddp
 def test_cpu_smoke_runs_both_parts(tmp_path):
@@ -28,7 +32,7 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     (tmp_path / "ddp-1.12.0-patched").mkdir()
     (tmp_path / "ddp-1.12.0-patched" / "stale-from-an-earlier-run").write_text("{}")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path), "--memory"],
+        [sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path), "--memory", "--step-arms", SMOKE_ARMS],
         capture_output=True,
         text=True,
         timeout=1500,
@@ -37,6 +41,8 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "(a) DPO head loss" in proc.stdout and "(b) DDP" in proc.stdout, proc.stdout
     assert "(c) one whole DDP training step" in proc.stdout and "kto     patched" in proc.stdout, proc.stdout
+    assert "x the GEMM floor" in proc.stdout and "(a floor)" in proc.stdout, proc.stdout  # (a): ours vs the floor
+    assert "kto patched+bf16ref/trl114+bf16ref: time" in proc.stdout, proc.stdout
     assert "all rows pass" in proc.stdout, proc.stdout[-3000:]
     # --memory: one more step per launch, not timed (the rows above still count 1 + 2 steps); CUDA only
     assert "memory: not recorded: the allocator's trace is CUDA only" in proc.stdout, proc.stdout[-3000:]
@@ -49,14 +55,16 @@ def check_rows_strict(report):
     c = report.get("c")
     if c is None:
         return gpu_check.check_rows(report["a"], report["b"], reps=2)
-    trainers = tuple(dict.fromkeys(r["trainer"] for r in c))
-    return gpu_check.check_rows(report["a"], report["b"], 2, ("a", "b", "c"), c, 2, trainers)
+    trainers, arms = tuple(dict.fromkeys(r["trainer"] for r in c)), tuple(dict.fromkeys(r["arm"] for r in c))
+    references = {r["arm"]: r.get("reference") for r in c if "error" not in r}
+    assert all((ref == "bf16") == arm.endswith(gpu_check.BF16_REF) for arm, ref in references.items()), references
+    return gpu_check.check_rows(report["a"], report["b"], 2, ("a", "b", "c"), c, 2, trainers, arms)
 
 
 def _passing_report():
     rows_a = [
         dict(arm=a, prompt=p, ms=1.0, times_ms=[1.0, 1.0], err=dict(loss=1e-3, grad_h=1e-3, grad_w=1e-3),
-             grad_fn="OnePassLossBackward" if a in ("ours", "ours_long") else "DivBackward0")
+             grad_fn="OnePassLossBackward" if a in ("ours", "ours_long", "ours_tri") else "DivBackward0")
         for a in gpu_check.ARMS_A for p in gpu_check.PROMPTS_A
     ]  # fmt: skip
     rows_b = []
