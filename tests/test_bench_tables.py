@@ -106,6 +106,7 @@ ARMS = {
     "TRL 1.14": "trl114",
     "unpatched (broken)": "unpatched",
     "before autocast": "patched_noautocast",
+    "KL logits (before)": "patched_fullkl",
 }
 RATIOS = {
     "patched/off time": "time/off",
@@ -113,6 +114,8 @@ RATIOS = {
     "patched/off mem": "mem/off",
     "patched/TRL 1.14 mem": "mem/trl114",
     "patched/before": "time/patched_noautocast",
+    "patched/before KL": "time/patched_fullkl",
+    "patched/before KL mem": "mem/patched_fullkl",
     "patched/TRL 1.14 CPU s": "cpu/trl114",
 }
 STEP_KEYS = ("dtype", "trainer", "prompt", "L", "measured", "raw")
