@@ -249,12 +249,11 @@ def likely_cause(trainer) -> str:
     """In words, what most probably left the gradients unsynchronised in ``trainer``'s job."""
     import sys
 
-    from .patches.verifier import NAME  # this very check's own row: no patch of the Liger path
-
     package = sys.modules.get("liger_ddp_patch")
     wrapped = getattr(trainer, "model_wrapped", None)
     name = type(trainer).__name__
-    rows = {r.name: r for r in package.report() if r.name != NAME} if package is not None else {}
+    # the rows of the patches of TRL's Liger path (not this check's own row, on transformers' Trainer)
+    rows = {r.name: r for r in package.report() if r.target.startswith("trl")} if package is not None else {}
     ours = [r for r in rows.values() if r.runtime.get(name)]
     if ours:  # a patch of ours saw this trainer's compute_loss: say what it decided
         said = "; ".join(f"{r.name}: {', '.join(r.runtime[name])}" for r in ours)
