@@ -6,9 +6,11 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
+from harness import two_at_a_time
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,12 +73,28 @@ def table(proc: subprocess.CompletedProcess) -> dict[str, tuple[str, str]]:
     return {row[0]: (row[1], row[2]) for row in rows if len(row) == 3 and row[0] in NAMES}
 
 
-def test_status_json_resolves_pending_and_reports_every_patch():
+@pytest.fixture(scope="module")
+def status_runs(tmp_path_factory):
+    """The plain ``status`` runs of the tests below, two at a time (each a fresh interpreter): label -> process."""
+    from test_versions import fake_release, trl_dir
+
+    calls = {
+        "json": partial(cli, "status", "--json"),
+        "one name": partial(cli, "status", "--json", env={"LIGER_DDP_PATCH_DISABLE": "dpo_chunked_loss"}),
+        "settings by name": partial(cli, "status", "--json", env={"LIGER_DDP_PATCH_DISABLE": "kto_liger_settings"}),
+    }
+    if trl_dir("1.16.0") is not None:  # else its test skips, saying how to unpack it
+        fake = fake_release(tmp_path_factory.mktemp("fake"), "1.8.0", "1.16.0")
+        calls["fake 1.8.0"] = partial(cli, "status", env={"PYTHONPATH": str(fake)})
+    return dict(zip(calls, two_at_a_time(*calls.values())))
+
+
+def test_status_json_resolves_pending_and_reports_every_patch(status_runs):
     """The pinned TRL (1.12.0) is affected and has the shapes we fix: all apply but Distillation's (TRL routes its
     whole loss since 1.10.0), exit code 0."""
     from liger_ddp_patch.patches import NAMES
 
-    proc = cli("status", "--json")
+    proc = status_runs["json"]
     rows = {row["name"]: row for row in json.loads(proc.stdout)}
     assert set(rows) == NAMES
     assert NAMES >= {"dpo_compute_loss", "kto_compute_loss", "dpo_chunked_loss", "kto_chunked_loss",
@@ -93,13 +111,14 @@ def test_status_json_resolves_pending_and_reports_every_patch():
     assert proc.returncode == 0
 
 
-def test_status_exits_1_when_a_patch_cannot_apply(tmp_path):
+def test_status_exits_1_when_a_patch_cannot_apply(status_runs):
     """Metadata says 1.8.0 (affected) but the code is 1.16.0's: every patch is unsupported; the exit code says so."""
-    from test_versions import fake_release
+    from test_versions import require
 
     from liger_ddp_patch.patches import NAMES
 
-    proc = cli("status", env={"PYTHONPATH": str(fake_release(tmp_path, "1.8.0", "1.16.0"))})
+    require("1.16.0")
+    proc = status_runs["fake 1.8.0"]
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = table(proc)
     assert set(rows) == NAMES, proc.stdout
@@ -114,15 +133,15 @@ def test_status_table_says_disabled():
     assert len(lines) == len(__import__("liger_ddp_patch.patches").patches.NAMES)
 
 
-def test_status_json_single_name_disabled():
-    rows = json.loads(cli("status", "--json", env={"LIGER_DDP_PATCH_DISABLE": "dpo_chunked_loss"}).stdout)
+def test_status_json_single_name_disabled(status_runs):
+    rows = json.loads(status_runs["one name"].stdout)
     statuses = {row["name"]: row["status"] for row in rows}
     assert statuses["dpo_chunked_loss"] == "disabled"
     assert statuses["dpo_compute_loss"] != "disabled"
 
 
-def test_status_json_liger_settings_disabled_by_name():
-    rows = json.loads(cli("status", "--json", env={"LIGER_DDP_PATCH_DISABLE": "kto_liger_settings"}).stdout)
+def test_status_json_liger_settings_disabled_by_name(status_runs):
+    rows = json.loads(status_runs["settings by name"].stdout)
     statuses = {row["name"]: row["status"] for row in rows}
     assert statuses["kto_liger_settings"] == "disabled"
     assert statuses["dpo_liger_settings"] == statuses["kto_compute_loss"] == "applied"
@@ -165,12 +184,15 @@ def test_demo_prints_the_before_after_table():
 def test_status_shows_the_loss_options_and_says_what_is_wrong_with_them():
     """``LIGER_DDP_PATCH_LOSS``: the options the DDP swap will use, on the two chunked-loss rows (text and JSON); a bad
     value warns with what to write instead and falls back to the default."""
-    proc = cli("status", env={"LIGER_DDP_PATCH_LOSS": "one_pass=0,token_chunk_size=512,sweep=triton,autocast=0"})
+    proc, bad = two_at_a_time(
+        partial(cli, "status", env={"LIGER_DDP_PATCH_LOSS": "one_pass=0,token_chunk_size=512,sweep=triton,autocast=0"}),
+        partial(cli, "status", "--json", env={"LIGER_DDP_PATCH_LOSS": "token_chunk_size=-1"}),
+    )
     lines = [line for line in proc.stdout.splitlines() if "LIGER_DDP_PATCH_LOSS" in line]
     assert [line.split()[0] for line in lines] == ["dpo_chunked_loss", "kto_chunked_loss"], proc.stdout
     said = "loss options (LIGER_DDP_PATCH_LOSS): one_pass=0, token_chunk_size=512, sweep=triton, autocast=0"
     assert all(line.endswith(said) for line in lines), proc.stdout
-    proc = cli("status", "--json", env={"LIGER_DDP_PATCH_LOSS": "token_chunk_size=-1"})
+    proc = bad
     rows = {row["name"]: row for row in json.loads(proc.stdout)}
     assert rows["dpo_chunked_loss"]["reason"].endswith(
         "one_pass=1 (default), token_chunk_size=auto (default), sweep=eager (default), autocast=1 (default)"
@@ -204,18 +226,22 @@ def test_status_header_names_liger_kernel_and_says_when_it_is_not_installed():
 
     import trl
 
-    proc = cli("status")
+    proc, without_liger, without_trl = two_at_a_time(
+        partial(cli, "status"),
+        partial(cli_without, ("liger_kernel",), "status"),
+        partial(cli_without, ("trl",), "status"),
+    )
     assert proc.stdout.splitlines()[0] == (
         f"liger_ddp_patch 0.1.0, TRL {trl.__version__}, liger-kernel {version('liger-kernel')}"
     ), proc.stdout
-    proc = cli_without(("liger_kernel",), "status")
+    proc = without_liger
     assert proc.stdout.splitlines()[0] == f"liger_ddp_patch 0.1.0, TRL {trl.__version__}, liger-kernel not installed"
     rows = table(proc)
     for name in ("dpo_chunked_loss", "kto_chunked_loss"):
         assert rows[name][0] == "not_needed", rows[name]
         assert rows[name][1].endswith("liger_kernel is not installed, so it never is"), rows[name]
     assert rows["dpo_compute_loss"][0] == "applied" and proc.returncode == 0, proc.stdout + proc.stderr
-    proc = cli_without(("trl",), "status")  # the gradient check's row has a version too: transformers', not TRL's
+    proc = without_trl  # the gradient check's row has a version too: transformers', not TRL's
     assert proc.stdout.splitlines()[0].startswith("liger_ddp_patch 0.1.0, TRL not installed, "), proc.stdout
     assert table(proc)["gradient_sync_check"][0] == "applied", proc.stdout
 
@@ -227,7 +253,11 @@ def test_a_trainer_module_that_cannot_import_is_unavailable_with_its_error():
     Exit code 0: no job can run those trainers here, so none can reach the bug through them."""
     from test_versions import require
 
-    proc = cli_without(("requests",), "status", pythonpath=(str(require("1.10.0")),))
+    trl_1_10 = (str(require("1.10.0")),)
+    proc, as_json = two_at_a_time(
+        partial(cli_without, ("requests",), "status", pythonpath=trl_1_10),
+        partial(cli_without, ("requests",), "status", "--json", pythonpath=trl_1_10),
+    )
     rows = table(proc)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name, module in (("gold_compute_loss", "trl.experimental.gold.gold_trainer"),
@@ -245,8 +275,7 @@ def test_a_trainer_module_that_cannot_import_is_unavailable_with_its_error():
     assert {rows[n][0] for n in ("dpo_compute_loss", "kto_chunked_loss", "gkd_compute_loss")} == {"applied"}
     assert "look up" not in proc.stdout and "No module named 'requests'; nothing to patch" not in proc.stdout
     assert "\nunavailable: TRL code that cannot run in this environment" in proc.stdout, proc.stdout
-    rows = {r["name"]: r for r in json.loads(cli_without(("requests",), "status", "--json",
-                                                          pythonpath=(str(require("1.10.0")),)).stdout)}  # fmt: skip
+    rows = {r["name"]: r for r in json.loads(as_json.stdout)}
     assert rows["gold_compute_loss"]["status"] == "unavailable" and rows["gold_compute_loss"]["version"] == "1.10.0"
 
 
@@ -260,20 +289,34 @@ def fake_liger_kernel(tmp_path: Path, version: str) -> Path:
     return info.parent
 
 
-@pytest.mark.parametrize(
-    ("trl", "liger", "minimum"),
-    [("1.10.0", "0.7.0", "0.8.0"), ("1.12.0", "0.8.1", "0.8.2"), ("1.12.0", "0.8.2", None)],
-    ids=["1.10.0-below", "1.12.0-below", "1.12.0-at-minimum"],
-)
-def test_a_liger_kernel_below_trls_minimum_is_named_as_the_cause(tmp_path, trl, liger, minimum):
+MINIMUM_CASES = {"1.10.0-below": ("1.10.0", "0.7.0", "0.8.0"), "1.12.0-below": ("1.12.0", "0.8.1", "0.8.2"),
+                 "1.12.0-at-minimum": ("1.12.0", "0.8.2", None)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def minimum_runs(tmp_path_factory):
+    """``status`` in each case below, two at a time (each a fresh interpreter): case -> the finished process."""
+    from test_versions import trl_dir
+
+    folder, calls = tmp_path_factory.mktemp("liger-minimum"), {}
+    for case, (trl, liger, _) in MINIMUM_CASES.items():
+        if trl_dir(trl) is not None:
+            path = (str(fake_liger_kernel(folder / case, liger)), str(trl_dir(trl)))
+            calls[case] = partial(cli_without, (), "status", pythonpath=path)
+    return dict(zip(calls, two_at_a_time(*calls.values())))
+
+
+@pytest.mark.parametrize("case", MINIMUM_CASES)
+def test_a_liger_kernel_below_trls_minimum_is_named_as_the_cause(minimum_runs, case):
     """TRL imports its Liger fused losses only with liger-kernel at or above its own minimum (TRL's
     ``LIGER_KERNEL_MIN_VERSION``: 0.8.0 in 1.10.0, 0.8.2 in 1.12.0, read from TRL at run time): below it the swaps'
     target is missing because of that, which the row and the header say (``unavailable``, exit code 0: TRL refuses
     ``use_liger_kernel=True`` itself). The control: at the minimum, the swaps apply."""
     from test_versions import require
 
-    path = (str(fake_liger_kernel(tmp_path, liger)), str(require(trl)))
-    proc = cli_without((), "status", pythonpath=path)
+    trl, liger, minimum = MINIMUM_CASES[case]
+    require(trl)
+    proc = minimum_runs[case]
     header, rows = proc.stdout.splitlines()[0], table(proc)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     below = f" (below TRL {trl}'s minimum {minimum})" if minimum else ""

@@ -6,6 +6,7 @@ disabled, verifier on through ``LIGER_DDP_PATCH_VERIFY``) and the patched run wi
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -145,14 +146,18 @@ NOT_SYNCED = "liger_ddp_patch: Gradients are NOT synchronised across the 2 data-
 
 
 def test_default_check_is_hooked_only_while_the_package_is_on():
-    hooked = {}
-    for label, env in (("default", {}), ("VERIFY=0", {"LIGER_DDP_PATCH_VERIFY": "0"}),
-                       ("DISABLE=1", {"LIGER_DDP_PATCH_DISABLE": "1"}),
-                       ("DISABLE=name", {"LIGER_DDP_PATCH_DISABLE": "gradient_sync_check"})):  # fmt: skip
-        clean = {k: v for k, v in __import__("os").environ.items() if not k.startswith("LIGER_DDP_PATCH_")}
+    from harness import two_at_a_time
+
+    clean = {k: v for k, v in __import__("os").environ.items() if not k.startswith("LIGER_DDP_PATCH_")}
+
+    def hooked_in(env: dict[str, str]) -> str:
         proc = subprocess.run([sys.executable, "-c", "import liger_ddp_patch\n" + HOOKED], capture_output=True,
                               text=True, env={**clean, **env})  # fmt: skip
-        hooked[label] = proc.stdout.strip()
+        return proc.stdout.strip()
+
+    envs = {"default": {}, "VERIFY=0": {"LIGER_DDP_PATCH_VERIFY": "0"}, "DISABLE=1": {"LIGER_DDP_PATCH_DISABLE": "1"},
+            "DISABLE=name": {"LIGER_DDP_PATCH_DISABLE": "gradient_sync_check"}}  # fmt: skip
+    hooked = dict(zip(envs, two_at_a_time(*(functools.partial(hooked_in, env) for env in envs.values()))))
     assert hooked == {"default": "True applied", "VERIFY=0": "False disabled", "DISABLE=1": "False disabled",
                       "DISABLE=name": "False disabled"}  # fmt: skip
 

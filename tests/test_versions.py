@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import matrix
@@ -81,8 +82,23 @@ def engine_report(pythonpath: Path, extra_env: dict[str, str] | None = None) -> 
 FULL = os.environ.get("LIGER_DDP_PATCH_FULL_MATRIX") == "1"
 
 
+@pytest.fixture(scope="module")
+def reports(request):
+    """Every release this session runs, reported two at a time (one interpreter each, bound by its imports): version
+    -> future. On 2 cores this halves the module's time; each report is the same subprocess as before."""
+    wanted = [
+        item.callspec.params["version"]
+        for item in request.session.items
+        if item.module is request.module and getattr(item, "originalname", "") == "test_release_report"
+    ]
+    runs = {v: folder for v in dict.fromkeys(wanted) if (FULL or matrix.tier(v) != "full") and (folder := trl_dir(v))}
+    pool = ThreadPoolExecutor(max_workers=2)
+    yield {v: pool.submit(engine_report, folder) for v, folder in runs.items()}
+    pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.parametrize("version", tv.RELEASES)
-def test_release_report(version):
+def test_release_report(version, reports):
     """On each release's real code: the status the test plan expects, and the shape check recognises the right shape.
 
     ~20 s per release (a fresh interpreter imports transformers and TRL): every release where something changes and the
@@ -91,7 +107,7 @@ def test_release_report(version):
     if not FULL and matrix.tier(version) == "full":
         pytest.skip(f"TRL {version} is in the full matrix only: set LIGER_DDP_PATCH_FULL_MATRIX=1")
     folder = require(version)
-    result = engine_report(folder)
+    result = reports[version].result()
     assert result["trl"] == version and result["file"].startswith(str(folder)), result["file"]
     assert set(result["statuses"]) == TRL_NAMES and result["check"]["status"] == "applied", result["check"]
     for status in result["statuses"].values():
@@ -137,22 +153,44 @@ def fake_release(tmp_path: Path, version: str, code_from: str) -> Path:
     return folder
 
 
+FAKES = {"1.13.1": "1.13.0", "2.0.0": "1.14.0", "2.0.0-broken": "1.12.0", "1.8.0": "1.16.0"}  # label: code from
+
+
+@pytest.fixture(scope="module")
+def fakes(tmp_path_factory):
+    """The engine's report on each fake release below (label -> future), two at a time like :func:`reports`."""
+    folder = tmp_path_factory.mktemp("fakes")
+    pool = ThreadPoolExecutor(max_workers=2)
+    runs = {}
+    for label, code_from in FAKES.items():
+        if trl_dir(code_from) is not None:
+            (folder / label).mkdir()
+            runs[label] = pool.submit(engine_report, fake_release(folder / label, label.split("-")[0], code_from))
+    yield runs
+    pool.shutdown(cancel_futures=True)
+
+
+def fake(fakes: dict, label: str) -> dict:
+    require(FAKES[label])
+    return fakes[label].result()
+
+
 def broken_in(result: dict, code_from: str) -> list[dict]:
     """The statuses of the patches whose trainer code is broken in release ``code_from`` (Distillation is fixed from
     1.10.0 on, DPO/KTO from 1.14.0): the ones a fake version borrowing that code must patch."""
     return [s for s in result["statuses"].values() if matrix.expected_status(code_from, s["name"]) == "applied"]
 
 
-def test_unknown_post_release_with_broken_code_is_patched_by_shape(tmp_path):
-    result = engine_report(fake_release(tmp_path, "1.13.1", "1.13.0"))
+def test_unknown_post_release_with_broken_code_is_patched_by_shape(fakes):
+    result = fake(fakes, "1.13.1")
     assert len(broken_in(result, "1.13.0")) == len(TRL_NAMES) - 4  # all but Distillation's two and the 1.14.x records
     for status in broken_in(result, "1.13.0"):
         assert status["status"] == "applied", status
         assert "not a release we have verified" in status["reason"] and "shape check matched" in status["reason"]
 
 
-def test_unknown_future_release_with_fixed_code_is_left_alone(tmp_path):
-    result = engine_report(fake_release(tmp_path, "2.0.0", "1.14.0"))
+def test_unknown_future_release_with_fixed_code_is_left_alone(fakes):
+    result = fake(fakes, "2.0.0")
     for status in result["statuses"].values():
         spec = matrix.spec_of(status["name"])
         if status["name"] == spec.compiled_patch:  # 1.14's redirect still misses a compiled model: its shape decides
@@ -165,16 +203,16 @@ def test_unknown_future_release_with_fixed_code_is_left_alone(tmp_path):
     assert "not found in trl 2.0.0" in result["statuses"]["dpo_chunked_loss"]["reason"]
 
 
-def test_unknown_future_release_with_broken_code_is_patched_only_by_shape(tmp_path):
+def test_unknown_future_release_with_broken_code_is_patched_only_by_shape(fakes):
     """A 2.0.0 that still carried the 1.12 code: not a known release, so only the shape check lets it through."""
-    result = engine_report(fake_release(tmp_path, "2.0.0", "1.12.0"))
+    result = fake(fakes, "2.0.0-broken")
     assert {s["status"] for s in broken_in(result, "1.12.0")} == {"applied"}
     assert all("not a release we have verified" in s["reason"] for s in broken_in(result, "1.12.0"))
 
 
-def test_known_affected_release_with_unexpected_code_is_not_patched_blind(tmp_path):
+def test_known_affected_release_with_unexpected_code_is_not_patched_blind(fakes):
     """Metadata says 1.8.0 (affected) but the code is 1.16.0's: the shape check refuses, nothing is replaced."""
-    result = engine_report(fake_release(tmp_path, "1.8.0", "1.16.0"))
+    result = fake(fakes, "1.8.0")
     for name in ("dpo_compute_loss", "kto_compute_loss"):
         status = result["statuses"][name]
         assert status["status"] == "unsupported", status
