@@ -300,8 +300,8 @@ def minimum_runs(tmp_path_factory):
 
     folder, calls = tmp_path_factory.mktemp("liger-minimum"), {}
     for case, (trl, liger, _) in MINIMUM_CASES.items():
-        if trl_dir(trl) is not None:
-            path = (str(fake_liger_kernel(folder / case, liger)), str(trl_dir(trl)))
+        if (code := trl_dir(trl)) is not None:
+            path = (str(fake_liger_kernel(folder / case, liger)), str(code))
             calls[case] = partial(cli_without, (), "status", pythonpath=path)
     return dict(zip(calls, two_at_a_time(*calls.values())))
 

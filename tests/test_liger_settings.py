@@ -15,11 +15,12 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 from _fakes import RecordingEngine
+from harness import started_two_at_a_time
 from test_versions import ROOT, require
 
 from liger_ddp_patch import log
@@ -130,10 +131,9 @@ def probes(request, tmp_path_factory):
         assert out.exists(), f"probe failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         return json.loads(out.read_text())
 
-    pool = ThreadPoolExecutor(max_workers=2)
-    futures = {v: pool.submit(probe, v) for v in dict.fromkeys(wanted) if v in RELEASES and v not in _absent()}
-    yield futures
-    pool.shutdown(cancel_futures=True)
+    runs = {v: partial(probe, v) for v in dict.fromkeys(wanted) if v in RELEASES and v not in _absent()}
+    with started_two_at_a_time(runs) as futures:
+        yield futures
 
 
 def _absent() -> set[str]:

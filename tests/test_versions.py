@@ -15,11 +15,12 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import matrix
 import pytest
+from harness import started_two_at_a_time
 
 from liger_ddp_patch.patches import NAMES, verifier
 from liger_ddp_patch.patches import trl_versions as tv
@@ -91,10 +92,14 @@ def reports(request):
         for item in request.session.items
         if item.module is request.module and getattr(item, "originalname", "") == "test_release_report"
     ]
-    runs = {v: folder for v in dict.fromkeys(wanted) if (FULL or matrix.tier(v) != "full") and (folder := trl_dir(v))}
-    pool = ThreadPoolExecutor(max_workers=2)
-    yield {v: pool.submit(engine_report, folder) for v, folder in runs.items()}
-    pool.shutdown(cancel_futures=True)
+    runs = {v: partial(engine_report, folder) for v in dict.fromkeys(wanted) if runs_here(v) and (folder := trl_dir(v))}
+    with started_two_at_a_time(runs) as futures:
+        yield futures
+
+
+def runs_here(version: str) -> bool:
+    """Whether this session checks ``version``'s report: the full-matrix releases only with FULL."""
+    return FULL or matrix.tier(version) != "full"
 
 
 @pytest.mark.parametrize("version", tv.RELEASES)
@@ -104,7 +109,7 @@ def test_release_report(version, reports):
     ~5 s per release (a fresh interpreter imports transformers and TRL; two at a time, see ``reports``): every release
     where something changes and the ``ALWAYS`` ones run every time, the rest with ``LIGER_DDP_PATCH_FULL_MATRIX=1``.
     """
-    if not FULL and matrix.tier(version) == "full":
+    if not runs_here(version):
         pytest.skip(f"TRL {version} is in the full matrix only: set LIGER_DDP_PATCH_FULL_MATRIX=1")
     folder = require(version)
     result = reports[version].result()
@@ -153,25 +158,23 @@ def fake_release(tmp_path: Path, version: str, code_from: str) -> Path:
     return folder
 
 
-FAKES = {"1.13.1": "1.13.0", "2.0.0": "1.14.0", "2.0.0-broken": "1.12.0", "1.8.0": "1.16.0"}  # label: code from
+# label: (the version its metadata says, the release its code is from)
+FAKES = {"1.13.1": ("1.13.1", "1.13.0"), "2.0.0": ("2.0.0", "1.14.0"), "2.0.0-broken": ("2.0.0", "1.12.0"),
+         "1.8.0": ("1.8.0", "1.16.0")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def fakes(tmp_path_factory):
     """The engine's report on each fake release below (label -> future), two at a time like :func:`reports`."""
-    folder = tmp_path_factory.mktemp("fakes")
-    pool = ThreadPoolExecutor(max_workers=2)
-    runs = {}
-    for label, code_from in FAKES.items():
-        if trl_dir(code_from) is not None:
-            (folder / label).mkdir()
-            runs[label] = pool.submit(engine_report, fake_release(folder / label, label.split("-")[0], code_from))
-    yield runs
-    pool.shutdown(cancel_futures=True)
+    folder = tmp_path_factory.mktemp("fakes")  # fake_release names each folder by its version and code
+    runs = {label: partial(engine_report, fake_release(folder, version, code_from))
+            for label, (version, code_from) in FAKES.items() if trl_dir(code_from) is not None}  # fmt: skip
+    with started_two_at_a_time(runs) as futures:
+        yield futures
 
 
 def fake(fakes: dict, label: str) -> dict:
-    require(FAKES[label])
+    require(FAKES[label][1])
     return fakes[label].result()
 
 

@@ -7,12 +7,14 @@ trains is the demo's (``liger_ddp_patch.demo.tiny``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 PROBE = Path(__file__).with_name("probe.py")
@@ -98,10 +100,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_at_a_time(*calls):
-    """The results of independent calls that each run one interpreter, in order, two at a time: such an interpreter
-    is bound by its imports on one core, so on 2 cores this takes ~0.6x the time of running them one after another."""
+@contextlib.contextmanager
+def started_two_at_a_time(calls: dict) -> Iterator[dict]:
+    """``{key: future}`` of independent no-argument calls that each run one interpreter, started two at a time: such
+    an interpreter is bound by its imports on one core, so on 2 cores this takes ~0.6x the time of running them one
+    after another. A module fixture yields the futures, so its first test starts before the last call ends; the calls
+    not yet started when it leaves are cancelled."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return [future.result() for future in [pool.submit(call) for call in calls]]
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        yield {key: pool.submit(call) for key, call in calls.items()}
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def two_at_a_time(*calls):
+    """The results of ``calls``, in order, run as :func:`started_two_at_a_time` runs them."""
+    with started_two_at_a_time(dict(enumerate(calls))) as futures:
+        return [future.result() for future in futures.values()]
