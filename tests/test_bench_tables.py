@@ -369,8 +369,21 @@ def test_fp32_floor_ranges_match_their_raw_file():
     rows = printed_loss_rows(BENCH / match.group(1)).values()
     for column, (low, high) in zip(("ours/GEMM floor", "prev/GEMM floor", "ours/prev"),
                                    zip(match.groups()[1::2], match.groups()[2::2])):  # fmt: skip
-        values = sorted(r[column] for r in rows if column in r)
-        assert (low, high) == (values[0], values[-1]), f"fp32 line, {column}: README {low}-{high}, raw {values}"
+        values = [r[column] for r in rows if column in r]
+        assert (low, high) == span(values), f"fp32 line, {column}: README {low}-{high}, raw {sorted(values)}"
+
+
+def span(printed: list[str]) -> tuple[str, str]:
+    """The smallest and the largest of printed numbers, as printed: by value (as strings, "10.2" < "9.5")."""
+    ordered = sorted(printed, key=float)
+    return ordered[0], ordered[-1]
+
+
+@pytest.mark.parametrize("printed, expected", [(["9.95", "10.02", "1.05"], ("1.05", "10.02")),
+                                               (["0.99", "1.05", "1.00"], ("0.99", "1.05"))])  # fmt: skip
+def test_span_orders_by_value_not_by_text(printed, expected):
+    """A range past 10 (a 10.02x ratio) sorts before 9.95 as text: the fp32 line's check must not read it so."""
+    assert span(printed) == expected
 
 
 def test_history_is_linked_from_the_top_and_its_links_resolve():
