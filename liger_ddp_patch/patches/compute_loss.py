@@ -24,9 +24,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .. import environment
+from .. import _ddp, environment
 from ..log import announce
-from . import _ddp, _shape, chunked_loss, kl_logps, pitfalls
+from . import _shape, chunked_loss, kl_logps, pitfalls
 from .trainers import TrainerSpec
 
 # The code shapes we know how to fix, by name (each TrainerSpec.shapes says which release has which). Each entry is one

@@ -103,7 +103,7 @@ DPO = TrainerSpec(
     loss_attributes=("liger_loss", "liger_loss_fn"),  # liger_loss_fn before 1.8.0
     loss="ChunkedDPOLoss",
     # 1.14.x redirect only when `model is not unwrapped_model`, which accelerate's unwrap of a compiled model defeats
-    # (patches/_ddp.py); 1.15.0 dropped the Liger loss path (the loss runs in the model's own forward)
+    # (liger_ddp_patch/_ddp.py); 1.15.0 dropped the Liger loss path (the loss runs in the model's own forward)
     compiled_hole=(">=1.14.0,<1.15.0", "1.15.0"),
 )
 
