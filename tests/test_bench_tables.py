@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -413,3 +414,94 @@ def anchors(text: str) -> set[str]:
                                              ("2.5e-5", 2.4828e-05, True), ("0.37", 0.376, False)])  # fmt: skip
 def test_same_rounds_as_printed(cell, value, ok):
     assert same(cell, value) is ok
+
+
+# ------------------------------------------------- the README's whole-step table and figure (benchmarks/_table_step)
+
+sys.path.insert(0, str(BENCH))
+import _table_step  # noqa: E402
+
+TOP_README = ROOT / "README.md"
+
+
+def test_readme_step_table_is_what_the_raw_files_say():
+    """The README's table is ``_table_step.table()`` read from the raw files now: edit a cell, or a raw file, or a
+    spec, without regenerating (``python3 benchmarks/plot_step.py --table``) and this fails."""
+    text = TOP_README.read_text()
+    start, stop = text.find(_table_step.BEGIN), text.find(_table_step.END)
+    assert 0 <= start < stop, f"README.md lost the markers {_table_step.BEGIN!r}"
+    assert text[start : stop + len(_table_step.END)] == _table_step.table(), (
+        "README.md's step table is stale: paste `python3 benchmarks/plot_step.py --table` between its markers"
+    )
+
+
+def test_step_figure_is_drawn_from_the_raw_files():
+    """The PNG carries the numbers it drew (its Description chunk, written by plot_step.py); they must be what the
+    raw files give now, and the README must show it. Regenerate with ``python3 benchmarks/plot_step.py``."""
+    figure = ROOT / _table_step.FIGURE
+    assert figure.exists(), f"{_table_step.FIGURE} missing: python3 benchmarks/plot_step.py"
+    drawn = json.loads(_table_step.png_text(figure).get("Description", "null"))
+    assert drawn == _table_step.figure_data(), f"{_table_step.FIGURE} is stale: python3 benchmarks/plot_step.py"
+    assert f"]({_table_step.FIGURE})" in TOP_README.read_text(), f"README.md does not show {_table_step.FIGURE}"
+    assert all(d["time"] > 0 and d["peak"] > 0 for d in drawn) and len(drawn) == len(_table_step.SPECS)
+
+
+def _whole_step_raw() -> dict[tuple, str]:
+    """benchmarks/README.md's current whole-step rows at 50 % prompt that link a raw file: (dtype, trainer, L) ->
+    the link (a file or a folder under results/)."""
+    (table,) = [t for t in current_tables() if is_step(t) and "tokens/step" in t.header and "dtype" in t.header]
+    col = {name: i for i, name in enumerate(table.header)}
+    out = {}
+    for _, cells in table.rows:
+        link = LINK.findall(cells[col["raw"]])
+        if link and prompt_of(cells[col["prompt"]]) == 0.5:
+            out[(cells[col["dtype"]], cells[col["trainer"]].lower(), int(cells[col["L"]]))] = link[0]
+    return out
+
+
+def test_step_specs_are_the_current_cpu_rows():
+    """The README's CPU rows are exactly benchmarks/README.md's current 50 % prompt rows with a raw file, each read
+    from the file that row links: a new measurement replacing a row there must be a spec here too."""
+    current = _whole_step_raw()
+    specs = {(s.dtype, s.trainer, s.L): s.raw for s in _table_step.SPECS if s.raw.startswith("cpu-")}
+    assert specs.keys() == current.keys(), f"specs {sorted(specs)} != benchmarks/README.md's {sorted(current)}"
+    for key, raw in specs.items():
+        link = current[key].removeprefix("results/").rstrip("/")
+        assert raw == link or raw.startswith(link + "/"), f"{key}: spec reads {raw}, benchmarks/README.md links {link}"
+
+
+def test_step_specs_read_the_gpu_step_benchmarks_readme_quotes():
+    (gpu,) = [t for t in current_tables() if tuple(t.header[:3]) == ("trainer", "arm", "s/step")]
+    linked = LINK.findall(gpu.caption)[-1].removeprefix("results/")
+    for spec in (s for s in _table_step.SPECS if not s.raw.startswith("cpu-")):
+        assert spec.raw == linked or spec.raw == f"{linked.rstrip('/')}/gpu_check.json", (spec.raw, linked)
+
+
+def _row(trainer, time_trl, mem_trl, off=(None, None), setup="CPU x", L=512, note=""):
+    return _table_step.Row(setup, trainer, L, "M", "2026-12-07", note, "r.json", 1.0, 2.0, None, None, 1.0, 2.0,
+                           off[0], off[1], time_trl, mem_trl)  # fmt: skip
+
+
+def test_step_table_pairs_trainers_and_marks_misses():
+    """Made-up rows: DPO and KTO of one configuration share a line; a missing trainer or arm is "—"; a ratio that
+    prints over 1.00 is bold (1.004 prints 1.00: not bold); another configuration is its own line."""
+    table = _table_step.table([_row("DPO", 0.5, 1.004, off=(0.4, 0.3)), _row("KTO", 1.2, 0.9),
+                               _row("KTO", 0.8, 1.1, L=2048, note="old")])  # fmt: skip
+    lines = table.splitlines()[3:-1]
+    assert lines == [
+        "| CPU x | 512 | 1.00 / 1.00 | 0.40 / — | 0.50 / **1.20** | 2.00 / 2.00 | 0.30 / — | 1.00 / 0.90 "
+        "| M, 2026-12-07 |",
+        "| CPU x | 2,048 | — / 1.00 | — / — | — / 0.80 | — / 2.00 | — / — | — / **1.10** | M, 2026-12-07: old |",
+    ]
+
+
+@pytest.mark.parametrize("header, expected", [
+    ("2026-12-06 06:29 UTC  Intel(R) Xeon(R) Processor (torch AVX512, bf16 GEMM AMX)  2 CPUs", ("Intel Xeon AMX",
+     "2026-12-06")),
+    ("2026-12-05 21:58 UTC  AMD EPYC (torch AVX512, bf16 GEMM AVX-512 BF16)  2 CPUs", ("AMD EPYC AVX-512 BF16",
+     "2026-12-05")),
+    ("2026-12-04 18:29 UTC  AMD EPYC (torch AVX2, bf16 GEMM emulated: bf16 rows are GEMM-bound here)  2 CPUs",
+     ("AMD EPYC AVX2", "2026-12-04")),
+])  # fmt: skip
+def test_machine_named_from_bench_step_header(header, expected):
+    assert _table_step.machine(header) == expected
