@@ -95,3 +95,43 @@ def test_every_trl_release_gets_the_status_its_runs_call_for(patch, version):
         pytest.skip(f"no such trainer in TRL {version}: its module is never imported (tests/test_versions.py)")
     status, reason = decide(patch, version, "trl.trainer.x.Trainer.attr", None)
     assert status == matrix.expected_status(version, patch.name), reason
+
+
+# A record that covers a later range, with an earlier one handling the releases before it (the 1.14.x compiled route).
+LATER = dict(affected=">=1.14.0,<1.15.0", fixed_in="1.15.0", before="fix_step_old handles it")
+
+
+@pytest.mark.parametrize(
+    ("version", "overrides", "mismatch", "status", "reason"),
+    [
+        # past the fix by its base: its shape decides, and a shape we do not fix reads "looks fixed"
+        ("1.15.0.dev0", LATER, None, "applied", "fakelib 1.15.0.dev0 is not a release we have verified, applied"),
+        ("1.15.0.dev0", LATER, LOOKS_FIXED, "not_needed", "it looks fixed (upstream fixed this in 1.15.0)"),
+        ("1.15.0rc1", LATER, None, "applied", "not a release we have verified"),  # any pre-release, not only .devN
+        ("1.15.0a2", LATER, LOOKS_FIXED, "not_needed", "it looks fixed"),
+        ("1.15.0.dev0+g1a2b3c", LATER, None, "applied", "not a release we have verified"),  # a git build's local tag
+        # in the range by its base: the shape decides; the first range's pre-release may still be the code before it
+        ("1.14.0.dev0", LATER, None, "applied", "fakelib 1.14.0.dev0 is not a release we have verified, applied"),
+        (
+            "1.14.0.dev0",
+            LATER,
+            LOOKS_FIXED,
+            "not_needed",
+            f"fakelib 1.14.0.dev0 is a pre-release of 1.14.0 and {LOOKS_FIXED}: its code may be from before "
+            ">=1.14.0,<1.15.0 (fix_step_old handles it)",
+        ),
+        ("1.14.1.dev0", LATER, LOOKS_FIXED, "unsupported", "shape check failed"),  # 1.14.0 is out: past that code
+        # before the range by its base: its code is older still, so the earlier record handles it
+        ("1.13.0.dev0", LATER, None, "not_needed", "fakelib 1.13.0.dev0 (a pre-release of 1.13.0) is before >=1.14.0"),
+        # the main record's range: its base past the fix, the shape decides
+        ("1.14.0.dev0", {}, None, "applied", "fakelib 1.14.0.dev0 is not a release we have verified, applied"),
+        ("1.14.0.dev0", {}, LOOKS_FIXED, "not_needed", "it looks fixed (upstream fixed this in 1.14.0)"),
+        ("1.13.0.dev0", {}, None, "applied", "not a release we have verified"),
+        ("1.13.0.dev0", {}, LOOKS_FIXED, "unsupported", "shape check failed"),
+    ],
+)
+def test_a_pre_release_is_judged_by_its_code(version, overrides, mismatch, status, reason):
+    """TRL installed from git (``1.15.0.dev0``) lies between releases: no range may exclude it (specifiers leave
+    pre-releases out), so it is judged like any unknown version, by its base release and its code's shape."""
+    got = decide(record("fakelib", **overrides), version, FOUND, mismatch)
+    assert got[0] == status and reason in got[1], got

@@ -160,7 +160,11 @@ def fake_release(tmp_path: Path, version: str, code_from: str) -> Path:
 
 # label: (the version its metadata says, the release its code is from)
 FAKES = {"1.13.1": ("1.13.1", "1.13.0"), "2.0.0": ("2.0.0", "1.14.0"), "2.0.0-broken": ("2.0.0", "1.12.0"),
-         "1.8.0": ("1.8.0", "1.16.0")}  # fmt: skip
+         "1.8.0": ("1.8.0", "1.16.0"),
+         # TRL from git: a .devN build carries the code of the release it leads to, or of the one before
+         "1.13.0.dev0": ("1.13.0.dev0", "1.13.0"), "1.14.0.dev0": ("1.14.0.dev0", "1.14.0"),
+         "1.15.0.dev0-1.14": ("1.15.0.dev0", "1.14.0"), "1.15.0.dev0-1.15": ("1.15.0.dev0", "1.15.0"),
+         "1.15.0.dev0-1.16": ("1.15.0.dev0", "1.16.0")}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +227,39 @@ def test_known_affected_release_with_unexpected_code_is_not_patched_blind(fakes)
     for name in ("dpo_chunked_loss", "kto_chunked_loss"):
         assert result["statuses"][name]["status"] == "unsupported"
         assert "not found in trl 1.8.0" in result["statuses"][name]["reason"]
+
+
+BY_SHAPE = "is not a release we have verified, applied because the shape check matched"
+LOOKS_FIXED = "it looks fixed (upstream fixed this in 1.14.0)"
+# label -> (the compiled-DDP records' status, words of their reason; words of DPO's/KTO's compute_loss reasons)
+DEV = {
+    "1.13.0.dev0": ("not_needed", "trl 1.13.0.dev0 (a pre-release of 1.13.0) is before >=1.14.0,<1.15.0",
+                    f"trl 1.13.0.dev0 {BY_SHAPE}"),
+    "1.14.0.dev0": ("applied", f"trl 1.14.0.dev0 {BY_SHAPE}", LOOKS_FIXED),
+    "1.15.0.dev0-1.14": ("applied", f"trl 1.15.0.dev0 {BY_SHAPE}", LOOKS_FIXED),
+    "1.15.0.dev0-1.15": ("not_needed", "trl 1.15.0.dev0 is not a release we have read, and the `use_liger_kernel` "
+                         "branch is gone (looked for `if self.use_liger_kernel:`): it looks fixed (upstream fixed this "
+                         "in 1.15.0)", LOOKS_FIXED),
+    "1.15.0.dev0-1.16": ("not_needed", "it looks fixed (upstream fixed this in 1.15.0)", LOOKS_FIXED),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("label", DEV)
+def test_a_pre_release_is_judged_by_its_code(fakes, label):
+    """TRL installed from git (a .devN version) over real release code: every record decides as on the release whose
+    code it carries, from that code's shape, never from a range that excludes pre-releases. Before: 1.15.0.dev0 over
+    1.14's code read `dpo_compiled_ddp` not_needed "is before >=1.14.0,<1.15.0", its compiled DDP hole left open."""
+    result = fake(fakes, label)
+    code_from = FAKES[label][1]
+    compiled, said, routed = DEV[label]
+    for status in result["statuses"].values():
+        spec = matrix.spec_of(status["name"])
+        assert status["status"] == matrix.expected_status(code_from, status["name"]), status
+        assert "(installed" not in status["reason"], status  # "fixed upstream in trl X (installed Y)": version alone
+        if status["name"] == spec.compiled_patch:
+            assert status["status"] == compiled and said in status["reason"], status
+        elif status["name"] == spec.compute_loss_patch and spec.name in ("dpo", "kto"):
+            assert routed in status["reason"], status
 
 
 def test_docs_table_is_current():

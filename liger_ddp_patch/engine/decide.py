@@ -1,7 +1,8 @@
 """The patch decision, as a pure function: what to do with a record, given what the engine found.
 
 Like ddtrace gating an integration on ``_supported_versions``, with one more input: the code itself. A release we
-have read is judged by its version; any other version (a post-release, a future major) by the shape of its code.
+have read is judged by its version; any other version (a post-release, a future major, a pre-release such as TRL
+installed from git) by the shape of its code.
 """
 
 from __future__ import annotations
@@ -44,10 +45,16 @@ def decide(
         return UNSUPPORTED, f"cannot read a valid {dist} version (got {version!r}); left untouched"
 
     known = version in record.releases or str(parsed) in record.releases
-    fixed = record.fixed_in is not None and parsed >= Version(record.fixed_in)
-    if record.before and not fixed and parsed not in SpecifierSet(record.affected):
-        return NOT_NEEDED, f"{dist} {version} is before {record.affected}: {record.before}"
-    if known and parsed not in SpecifierSet(record.affected):
+    # A pre-release (TRL from git: 1.15.0.dev0) carries code from after the release before it up to its base release,
+    # so no range may exclude it (specifiers skip pre-releases): it is judged by its base, and by its shape.
+    dev = parsed.is_prerelease and not known
+    judged = Version(parsed.base_version) if dev else parsed
+    affected = SpecifierSet(record.affected)
+    fixed = record.fixed_in is not None and judged >= Version(record.fixed_in)
+    if record.before and not fixed and judged not in affected:
+        of = f" (a pre-release of {judged})" if dev else ""
+        return NOT_NEEDED, f"{dist} {version}{of} is before {record.affected}: {record.before}"
+    if known and parsed not in affected:
         if fixed:
             return NOT_NEEDED, f"fixed upstream in {dist} {record.fixed_in} (installed {version})"
         return UNSUPPORTED, f"{dist} {version} is outside the affected range {record.affected}; left untouched"
@@ -68,6 +75,11 @@ def decide(
                 f"{dist} {version} is not a release we have read, and {mismatch}: it looks fixed "
                 f"(upstream fixed this in {record.fixed_in})"
             )
+        if dev and record.before and _may_predate(record, judged, affected):
+            return NOT_NEEDED, (
+                f"{dist} {version} is a pre-release of {judged} and {mismatch}: its code may be from before "
+                f"{record.affected} ({record.before})"
+            )
         return UNSUPPORTED, f"shape check failed: {mismatch}; left untouched"
 
     if known:
@@ -76,6 +88,14 @@ def decide(
         f"{record.summary} ({target}); {dist} {version} is not a release we have verified, "
         "applied because the shape check matched the affected code"
     )
+
+
+def _may_predate(record: Patch, base, affected) -> bool:
+    """Whether a pre-release of ``base`` (in ``affected``) may still carry the code from before that range: no release
+    we have read lies in the range below ``base`` (1.14.0.dev0 may be 1.13's code; 1.14.1.dev0 is past 1.14.0)."""
+    from packaging.version import Version
+
+    return not any(Version(r) < base and Version(r) in affected for r in record.releases)
 
 
 def decide_unimportable(record: Patch, version: str | None, error: str) -> tuple[str, str]:
