@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The one prepared GPU check (issues #9, #22): the loss head in bf16 at a real size, real GPU DDP and a whole DDP
-step, in <= 8 minutes.
+step, in <= 9 minutes (one call of <= 10).
 
     bash benchmarks/gpu_wheels.sh                    # here, with network: wheels the GPU machine lacks -> .whl/
     python3 benchmarks/gpu_check.py --out $OUT       # there: one H200, no network (carry .whl)
@@ -20,8 +20,11 @@ step, in <= 8 minutes.
     DDP), unpatched vs patched: parameters whose gradients differ across the ranks.
 (c) One whole DDP training step (benchmarks/bench_step.py's launches, issue #22): bf16, V=151,936, H=3,584 over 2
     Qwen2.5-7B-sized layers, L=4,096, 50 % prompt, one DPO pair / two KTO rows per rank, both ranks on cuda:0 as in
-    (b); patched vs Liger-off vs TRL 1.14 per trainer: median step time, tokens/s, peak memory allocated per rank and
-    the ratios patched / arm.  Runs last and starts no launch once ``--budget`` is spent.
+    (b); patched (the package's default) vs ``patched_onepass`` (``LIGER_DDP_PATCH_LOSS=one_pass=1``: one pass for
+    every pair, the default before issue 39) vs Liger-off vs TRL 1.14 per trainer: median step time, tokens/s, peak
+    memory allocated per rank and the ratios patched / arm (the README's whole-step table reads them).  Runs last,
+    each arm for every trainer before the next arm, and starts no launch once ``--budget`` is spent (nor one the
+    time left could not finish: the longest launch so far).
 
 Prints one table and writes ``gpu_check.json`` to ``--out`` (after deleting what an earlier run left there), then
 checks every row (``check_rows``: the same checks as tests/test_gpu_check.py) and exits 1 when one fails.
@@ -62,11 +65,15 @@ WHEELS = [
 ]
 DDP_TRL = ("1.12.0", "1.8.0")
 # (c) the whole DDP step (benchmarks/bench_step.py): Qwen2.5-7B's head (V, H) over 2 of its layers, bf16
-STEP_ARMS = ("patched", "off", "trl114")
+# the package's default beside one_pass=1 (issue 39 item 4: the README table's GPU row in one call), Liger-off, TRL 1.14
+STEP_ARMS = ("patched", "patched_onepass", "off", "trl114")
 # --step-arms may add bench_step's extra arms: patched_triton (the loss's Triton sweep), patched_noautocast (the routed
 # path before autocast, issue 32), patched_fullkl (KTO's KL logits before issue 32 item 3); any arm + BF16_REF runs
 # with a bf16 ref_model instead of TRL's own float32 reference (issue 32 item 4: both in one call)
 EXTRA_STEP_ARMS = ("patched_triton", "patched_noautocast", "patched_fullkl")
+# arms of (c) that bench_step does not name: its "patched" launched with these settings added to the environment
+STEP_SETTINGS = {"patched_onepass": {"LIGER_DDP_PATCH_LOSS": "one_pass=1"}}  # one pass for every pair (the old default)
+NOT_RUN = "not run: the time budget was spent"
 BF16_REF = "+bf16ref"
 STEP_TRAINERS = ("dpo", "kto")
 SMOKE_STEP_TRAINERS = ("kto",)  # the CPU smoke: KTO's three launches (tests/test_bench_step.py launches DPO)
@@ -318,6 +325,20 @@ def step_setup(args, paths: dict):
     return size, L, assets, work, trl
 
 
+def launch_order(arms: tuple[str, ...], trainers: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``(arm, trainer)`` launches: the arms in the order given, each for every trainer, so that a spent budget
+    drops the last arms for all trainers rather than the last trainer's every arm (the table's arms come first)."""
+    return [(arm, trainer) for arm in arms for trainer in trainers]
+
+
+def step_launch(arm: str, bench_step) -> tuple[str, dict]:
+    """The arm bench_step launches for a (c) arm and the settings added to its environment: bench_step's own arm
+    as it is, ``STEP_SETTINGS``' arms as its ``patched`` with their settings."""
+    if arm in bench_step.TRL_OF:
+        return arm, {}
+    return "patched", STEP_SETTINGS[arm]
+
+
 def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
     """bench_step's launches on this device, two one-process nodes (both ranks on cuda:0), one row per trainer x
     arm; no launch starts after ``deadline`` (a row then says so).  Rewrites ``part_c.json`` after every launch."""
@@ -329,36 +350,45 @@ def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
                               ref_same_dtype=args.ref_same_dtype)  # fmt: skip
     rows: list[dict] = []
     trainers = SMOKE_STEP_TRAINERS if args.cpu_smoke else STEP_TRAINERS
-    for trainer in trainers:
-        for arm in args.step_arms:
-            row = dict(trainer=trainer, arm=arm, L=L, prompt=STEP_PROMPT, V=size["V"], H=size["H"])
-            base, bf16_ref = arm.removesuffix(BF16_REF), arm.endswith(BF16_REF) or args.ref_same_dtype
-            opts.ref_same_dtype = bf16_ref
-            left = deadline - time.monotonic()
-            if left < 30:
-                row["error"] = "not run: the time budget was spent"
-            else:
-                opts.timeout = min(args.timeout_c, left)
-                prefix = out / f"memory-{trainer}-{arm.replace('+', '-')}"
-                if args.memory:  # one more step, not timed: rank 0's peak by site (_memory.py)
-                    os.environ["BENCH_STEP_MEMORY"] = str(prefix)
-                try:
-                    res = bench_step.launch(base, (trainer, "bf16", STEP_PROMPT, L), opts, assets, work, trl)
-                finally:
-                    os.environ.pop("BENCH_STEP_MEMORY", None)
-                memory = Path(f"{prefix}.rank0.json")
-                if memory.exists():
-                    row["memory"] = json.loads(memory.read_text())
-                    memory.unlink()
-                res["warmup"] = 1
-                row.update(bench_step.summarise(base, [res]), wall_s=round(res["wall_s"], 1), run=res)
-                row["reference"] = "bf16" if bf16_ref else "TRL's (float32)"
-                row["times"] = [rank["times"] for rank in res.get("ranks", [])]  # per rank: warm-up, measured
-                if "error" in row:
-                    row["log_tail"] = res.get("log_tail", "")[-1500:]
-            rows.append(row)
-            (out / "part_c.json").write_text(json.dumps(rows, default=str))
-            print(json.dumps({k: v for k, v in row.items() if k not in ("run", "log_tail")}), file=sys.stderr)
+    longest = 30.0  # no launch starts with less left than the longest so far took (it would be cut short)
+    for arm, trainer in launch_order(args.step_arms, trainers):  # every trainer's first arms before any extra arm
+        row = dict(trainer=trainer, arm=arm, L=L, prompt=STEP_PROMPT, V=size["V"], H=size["H"])
+        base, bf16_ref = arm.removesuffix(BF16_REF), arm.endswith(BF16_REF) or args.ref_same_dtype
+        launched, settings = step_launch(base, bench_step)
+        opts.ref_same_dtype = bf16_ref
+        left = deadline - time.monotonic()
+        if left < longest:
+            row["error"] = NOT_RUN
+        else:
+            opts.timeout = min(args.timeout_c, left)
+            prefix = out / f"memory-{trainer}-{arm.replace('+', '-')}"
+            extra = dict(settings, **({"BENCH_STEP_MEMORY": str(prefix)} if args.memory else {}))  # --memory: one
+            saved = {k: os.environ.get(k) for k in extra}  # more step, not timed: rank 0's peak by site (_memory.py)
+            os.environ.update(extra)
+            try:
+                row["loss_setting"] = bench_step.arm_env(launched, 1, {}).get("LIGER_DDP_PATCH_LOSS")
+                res = bench_step.launch(launched, (trainer, "bf16", STEP_PROMPT, L), opts, assets, work, trl)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            longest = max(longest, res["wall_s"])
+            memory = Path(f"{prefix}.rank0.json")
+            if memory.exists():
+                row["memory"] = json.loads(memory.read_text())
+                memory.unlink()
+            res["warmup"] = 1
+            row.update(bench_step.summarise(launched, [res]), wall_s=round(res["wall_s"], 1), run=res)
+            row["reference"] = "bf16" if bf16_ref else "TRL's (float32)"
+            row["times"] = [rank["times"] for rank in res.get("ranks", [])]  # per rank: warm-up, measured
+            if "error" in row:
+                row["log_tail"] = res.get("log_tail", "")[-1500:]
+        rows.append(row)
+        (out / "part_c.json").write_text(json.dumps(rows, default=str))
+        print(json.dumps({k: v for k, v in row.items() if k not in ("run", "log_tail")}), file=sys.stderr)
+    rows.sort(key=lambda r: (trainers.index(r["trainer"]), args.step_arms.index(r["arm"])))
     for r in rows:  # patched / each arm with the same reference model, the issue's question
         suffix = BF16_REF if r["arm"].endswith(BF16_REF) else ""
         mine = next((m for m in rows if m["trainer"] == r["trainer"] and m["arm"] == "patched" + suffix), None)
@@ -404,7 +434,8 @@ def check_rows(
         for r in rows_c:
             tag = f"(c) {r.get('trainer')} {r.get('arm')}"
             if "error" in r:
-                if str(r.get("arm")).startswith("patched") or not r["error"]:
+                skipped = r["error"] == NOT_RUN and r.get("arm") != "patched"  # the budget's choice, said so
+                if (str(r.get("arm")).startswith("patched") and not skipped) or not r["error"]:
                     bad.append(f"{tag} failed: {r['error'][:200]}")
                 continue
             steps = r.get("steps") or []
@@ -416,6 +447,9 @@ def check_rows(
                 str(x).startswith("Chunked") for x in r.get("losses", [])
             ):
                 bad.append(f"{tag}: loss {r.get('losses')}, not ours")
+            want = STEP_SETTINGS.get(str(r.get("arm")).removesuffix(BF16_REF), {}).get("LIGER_DDP_PATCH_LOSS")
+            if want and r.get("loss_setting") != want:
+                bad.append(f"{tag}: ran with LIGER_DDP_PATCH_LOSS={r.get('loss_setting')}, not {want}")
     if "a" in parts:
         seen = {(r.get("arm"), r.get("prompt")) for r in rows_a}
         want = {(a, p) for a in ARMS_A for p in PROMPTS_A}
@@ -468,7 +502,9 @@ def targets(rows_c: list[dict]) -> list[str]:
     """The issue's targets per trainer: patched no slower than off and trl114 (and its memory against off's)."""
     lines = []
     arms = dict.fromkeys(r.get("arm") for r in rows_c)
-    peers = [a for a in arms if a and a.removesuffix(BF16_REF) in ("patched_triton", "off", "trl114")]
+    peers = [
+        a for a in arms if a and a.removesuffix(BF16_REF) in ("patched_onepass", "patched_triton", "off", "trl114")
+    ]
     for trainer in dict.fromkeys(r.get("trainer") for r in rows_c):
         for peer in peers:
             r = next((r for r in rows_c if r.get("trainer") == trainer and r.get("arm") == peer), {})
@@ -476,6 +512,8 @@ def targets(rows_c: list[dict]) -> list[str]:
                 verdict = "met" if r["patched_time"] <= 1.0 else "MISSED"
                 if peer.startswith("patched_triton"):  # not a target: the sweep's gain (> 1: Triton is faster)
                     verdict = "the Triton sweep faster" if r["patched_time"] > 1.0 else "the Triton sweep not faster"
+                if peer.startswith("patched_onepass"):  # not a target: what the default costs or saves
+                    verdict = "the default against one_pass=1"
                 mine = "patched" + (BF16_REF if peer.endswith(BF16_REF) else "")
                 lines.append(f"{trainer} {mine}/{peer}: time {r['patched_time']:.2f} ({verdict}), "
                              f"peak memory {r['patched_mem']:.2f}")  # fmt: skip
@@ -494,11 +532,11 @@ def render_c(info: dict, rows_c: list[dict]) -> list[str]:
         f"L={c.get('L', 0):,}, {c.get('prompt', 0):.0%} prompt, 2 ranks ({info['ddp_device']}, gloo), per rank a DPO "
         f"pair / 2 KTO rows; reference model {c.get('reference', '?')} (arms{BF16_REF}: bf16); peak = "
         f"{'max allocated' if info['device'] == 'cuda' else 'VmHWM'} per rank",
-        f"{'trainer':7} {'arm':9} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9} {'patched/arm time':>17} "
+        f"{'trainer':7} {'arm':15} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9} {'patched/arm time':>17} "
         f"{'patched/arm mem':>16}  loss",
     ]
     for r in rows_c:
-        head = f"{r.get('trainer', '-'):7} {r.get('arm', '-'):9}"
+        head = f"{r.get('trainer', '-'):7} {r.get('arm', '-'):15}"
         if "error" in r:
             lines.append(f"{head} {'not run' if r['error'].startswith('not run') else 'failed'}: {r['error'][:90]}")
             continue
@@ -558,7 +596,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: the same code paths, for the tests")
     ap.add_argument("--out", default=None, help="folder for gpu_check.json and logs (default: a temporary folder)")
     ap.add_argument("--parts", default="a,b,c")
-    ap.add_argument("--budget", type=float, default=None, help="seconds in all; (c) starts no launch after (GPU 460)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds in all; (c) starts no launch after (GPU 520)")
     ap.add_argument("--timeout-c", type=float, default=None, help="seconds per step launch (GPU 150, CPU 600)")
     ap.add_argument("--reps-c", type=int, default=2, help="(c): measured steps per launch, after one warm-up")
     ap.add_argument("--step-arms", default=",".join(STEP_ARMS),
@@ -592,7 +630,7 @@ def main(argv=None) -> int:
     args.timeout_a = args.timeout_a or (900 if args.cpu_smoke else 240)  # GPU: (b) + (a) inside 8 minutes
     args.timeout_b = args.timeout_b or (900 if args.cpu_smoke else 240)
     args.timeout_c = args.timeout_c or (600 if args.cpu_smoke else 150)
-    args.budget = args.budget or (3600 if args.cpu_smoke else 460)  # the GPU check's 8 minutes, less the set-up
+    args.budget = args.budget or (3600 if args.cpu_smoke else 520)  # the GPU check's 9 minutes, less the set-up
     size = SMOKE_SIZE if args.cpu_smoke else GPU_SIZE
     if args.part_a:
         part_a(args.device, size, args.reps, Path(args.part_a))

@@ -17,9 +17,10 @@ sys.path.insert(0, str(SCRIPT.parent))
 
 import gpu_check  # noqa: E402
 
-# (c) as the prepared GPU call runs it (issue 32 item 4): TRL's float32 reference and a bf16 ref_model in one call,
-# KTO's KL logits before issue 32 item 3 (the patched rows' ratios are against the patched row of the same reference)
-SMOKE_ARMS = "patched,off,trl114,patched_fullkl,patched+bf16ref,trl114+bf16ref"
+# (c) as the prepared GPU call runs it: the default beside one_pass=1 (issue 39 item 4), TRL's float32 reference and
+# a bf16 ref_model in one call (issue 32 item 4; the patched rows' ratios are against the patched row of the same
+# reference). Six KTO launches, as before patched_onepass took patched_fullkl's place.
+SMOKE_ARMS = "patched,patched_onepass,off,trl114,patched+bf16ref,trl114+bf16ref"
 
 
 @pytest.mark.ddp
@@ -43,12 +44,15 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     assert "(c) one whole DDP training step" in proc.stdout and "kto     patched" in proc.stdout, proc.stdout
     assert "x the GEMM floor" in proc.stdout and "(a floor)" in proc.stdout, proc.stdout  # (a): ours vs the floor
     assert "kto patched+bf16ref/trl114+bf16ref: time" in proc.stdout, proc.stdout
+    assert "kto patched/patched_onepass: time" in proc.stdout, proc.stdout  # the default against one_pass=1
     assert "all rows pass" in proc.stdout, proc.stdout[-3000:]
     # --memory: one more step per launch, not timed (the rows above still count 1 + 2 steps); CUDA only
     assert "memory: not recorded: the allocator's trace is CUDA only" in proc.stdout, proc.stdout[-3000:]
     assert not (tmp_path / "ddp-1.12.0-patched" / "stale-from-an-earlier-run").exists()
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert check_rows_strict(report) == []
+    settings = {r["arm"]: r.get("loss_setting") for r in report["c"]}
+    assert settings["patched_onepass"] == "one_pass=1" and settings["patched"] is None, settings
 
 
 def check_rows_strict(report):
@@ -78,7 +82,8 @@ def _passing_report():
             )  # fmt: skip
     rows_c = [
         dict(trainer=t, arm=a, s=1.0, tok_s=100.0, peak_gib=2.0, steps=[1.0], times=[[3, 1, 1], [3, 1, 1]],
-             losses=["ChunkedDPOLoss"] if a == "patched" else [])
+             losses=["ChunkedDPOLoss"] if a.startswith("patched") else [],
+             loss_setting=gpu_check.STEP_SETTINGS.get(a, {}).get("LIGER_DDP_PATCH_LOSS"))
         for t in gpu_check.STEP_TRAINERS for a in gpu_check.STEP_ARMS
     ]  # fmt: skip
     return dict(a=rows_a, b=rows_b, c=rows_c)
@@ -99,6 +104,8 @@ def _passing_report():
         "step: an arm missing",
         "step: one measured step",
         "step: an arm failed silently",
+        "step: one_pass=1 not set",
+        "step: patched skipped by the budget",
     ],
 )
 def test_check_rows_fails_each_broken_row(breakage):
@@ -129,6 +136,11 @@ def test_check_rows_fails_each_broken_row(breakage):
             c.pop()
         elif breakage == "step: one measured step":
             patched["times"][1] = [3, 1]
+        elif breakage == "step: one_pass=1 not set":
+            next(r for r in c if r["arm"] == "patched_onepass")["loss_setting"] = None
+        elif breakage == "step: patched skipped by the budget":
+            patched.clear()
+            patched.update(trainer="dpo", arm="patched", error=gpu_check.NOT_RUN)
         else:
             next(r for r in c if r["arm"] == "off")["error"] = ""
     else:
@@ -163,6 +175,28 @@ def test_the_triton_step_arm_is_checked_as_ours_and_reported_beside_patched():
     assert any("not ours" in line for line in check())
     c.remove(tri[0])
     assert any("(c) rows" in line for line in check())
+
+
+def test_the_budget_drops_the_last_arms_of_every_trainer_not_a_trainer():
+    """(c) launches arm by arm (each for every trainer), so a spent budget skips the extra arms, said so and not a
+    failure; the table's arms (patched, patched_onepass, off, trl114) come first for both trainers."""
+    arms = ("patched", "patched_onepass", "off", "trl114", "patched+bf16ref")
+    order = gpu_check.launch_order(arms, ("dpo", "kto"))
+    assert order[:8] == [(a, t) for a in arms[:4] for t in ("dpo", "kto")] and len(order) == 10
+    report = _passing_report()
+    c = report["c"] + [dict(trainer=t, arm="patched+bf16ref", error=gpu_check.NOT_RUN) for t in ("dpo", "kto")]
+    assert gpu_check.check_rows(report["a"], report["b"], 2, ("c",), c, 2, gpu_check.STEP_TRAINERS, arms) == []
+
+
+def test_onepass_arm_is_bench_steps_patched_with_one_pass_set():
+    """patched_onepass's ranks get ``LIGER_DDP_PATCH_LOSS=one_pass=1`` (bench_step's ``patched`` with it added, while
+    bench_step has no such arm) and run the package; bench_step's own arms launch as they are."""
+    import bench_step
+
+    arm, settings = gpu_check.step_launch("patched_onepass", bench_step)
+    env = bench_step.arm_env(arm, 1, {}, settings)  # what its ranks get (os.environ plus the settings)
+    assert env["LIGER_DDP_PATCH_LOSS"] == "one_pass=1" and "LIGER_DDP_PATCH_DISABLE" not in env, env
+    assert gpu_check.step_launch("patched_triton", bench_step) == ("patched_triton", {})
 
 
 def _fake_wheel(folder: Path, name: str, version: str) -> Path:
