@@ -54,9 +54,11 @@ ARMS = ("patched", "off", "trl114", "unpatched")
 # beyond the default arms: the package with the loss's Triton sweep (LIGER_DDP_PATCH_LOSS=sweep=triton; a GPU's)
 # and the package without the routed autocast (LIGER_DDP_PATCH_LOSS=autocast=0: TRL 1.9-1.13's precision) or without
 # the chunked KTO KL log-probs (LIGER_DDP_PATCH_DISABLE=kto_kl_logps: TRL 1.9-1.13's whole-vocabulary KL logits)
-EXTRA_ARMS = ("patched_triton", "patched_noautocast", "patched_fullkl")
+# and the package with one pass for every pair (LIGER_DDP_PATCH_LOSS=one_pass=1: the default before issue 39, which
+# holds long pairs' (V, H) sums whatever the budget)
+EXTRA_ARMS = ("patched_triton", "patched_noautocast", "patched_fullkl", "patched_onepass")
 TRL_OF = {"patched": "1.12.0", "patched_triton": "1.12.0", "patched_noautocast": "1.12.0", "patched_fullkl": "1.12.0",
-          "off": "1.12.0", "trl114": "1.14.0", "unpatched": "1.12.0"}  # fmt: skip
+          "patched_onepass": "1.12.0", "off": "1.12.0", "trl114": "1.14.0", "unpatched": "1.12.0"}  # fmt: skip
 TRAINERS = ("dpo", "kto")
 DTYPES = ("fp32", "bf16", "mixed")
 PROMPTS = (0.5, 0.0)
@@ -234,9 +236,12 @@ def worker(args) -> None:
         trainer.train()
         peak = torch.cuda.max_memory_allocated() if cuda else _rss("VmHWM")
         losses = sorted({type(v).__name__ for v in vars(trainer).values() if "Loss" in type(v).__name__})
+        # the package's loss says which path its last call took and what its one-pass plan holds (issue 39)
+        ours = [v for v in vars(trainer).values() if hasattr(v, "last_held") and hasattr(v, "last_path")]
+        held = dict(ours[0].last_held or {}, path=ours[0].last_path) if ours else None
         # seqs: the sequences the policy trains on per rank (a DPO pair is two; KTO's KL rows are not counted)
         mine = dict(times=times, cpu=cpu, base=state.get("base"), peak=peak, losses=losses, world=world, seqs=2 * batch
-                    if args.trainer == "dpo" else batch)  # fmt: skip
+                    if args.trainer == "dpo" else batch, held=held)  # fmt: skip
         ranks = [None] * world
         dist.all_gather_object(ranks, mine)
         result.update(ranks=ranks)
@@ -364,6 +369,8 @@ def arm_env(arm: str, threads: int, paths: dict, environ=None) -> dict:
         env["LIGER_DDP_PATCH_LOSS"] = "autocast=0"
     if arm == "patched_fullkl":
         env["LIGER_DDP_PATCH_DISABLE"] = "kto_kl_logps"
+    if arm == "patched_onepass":
+        env["LIGER_DDP_PATCH_LOSS"] = "one_pass=1"
     return env
 
 
@@ -447,9 +454,13 @@ def summarise(arm: str, runs: list[dict]) -> dict:
     first = good[0]["ranks"][0]
     tokens = first["seqs"] * first["world"] * good[0]["L"]
     s = statistics.median(steps)
+    # the loss's own accounting (the package's arms): the (V, H) sums its one-pass plan holds beside the weight
+    # gradient (on the two-pass path: what one pass would have held), the larger rank's, and the path it took
+    helds = [rank["held"] for r in good for rank in r["ranks"] if rank.get("held")]
+    held = max(helds, key=lambda h: h.get("vh_sums_bytes", 0)) if helds else None
     return dict(s=s, tok_s=tokens / s, cpu_s=statistics.median(cpus), peak_gib=statistics.median(peaks) / GIB,
                 base_gib=statistics.median(bases) / GIB, tokens=tokens, rounds=len(good), losses=first["losses"],
-                steps=steps)  # fmt: skip
+                steps=steps, held=held)  # fmt: skip
 
 
 def ratios(runs: dict[str, list[dict]], a: str, b: str, key: str) -> float | None:
@@ -468,7 +479,9 @@ def render(table: list[dict], arms: list[str], header: str) -> str:
     for arm in arms:
         cols += [f"{arm} s", f"{arm} tok/s", f"{arm} GiB"]
     peers = [a for a in arms if a != "patched"]
-    cols += [f"patched/{a} {k}" for k in ("time", "cpu", "mem") for a in peers] + ["targets"]
+    cols += [f"patched/{a} {k}" for k in ("time", "cpu", "mem") for a in peers]
+    ours = [a for a in arms if a.startswith("patched")]
+    cols += [f"{a} held (V,H) GiB, path" for a in ours] + ["targets"]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     notes = []
     for row in table:
@@ -486,11 +499,24 @@ def render(table: list[dict], arms: list[str], header: str) -> str:
             for a in peers:
                 v = row["ratios"].get(f"{key}/{a}")
                 cells.append("-" if v is None else f"{v:.2f}")
+        for a in ours:
+            cells.append(held_cell(row["arms"].get(a, {}).get("held")))
         cells.append(row["verdict"])
         lines.append("| " + " | ".join(cells) + " |")
     if notes:
         lines += ["", "Not run or failed:", *(f"* {n}" for n in notes)]
     return "\n".join(lines)
+
+
+def held_cell(held: dict | None) -> str:
+    """The (V, H) sums' GiB the loss held beside the weight gradient and the path it took: ``0.51 (one-pass)``, or
+    ``0.00 (two-pass; one pass: 0.51)`` where the budget sent it to the two-pass path."""
+    if not held:
+        return "-"
+    path, would = str(held.get("path") or "?"), held.get("vh_sums_bytes", 0) / GIB
+    if path == "one-pass":
+        return f"{would:.2f} (one-pass)"
+    return f"0.00 (two-pass; one pass: {would:.2f})" if "would hold" in path else f"0.00 ({path})"
 
 
 def verdict(row: dict) -> str:

@@ -94,7 +94,7 @@ class ChunkedLinearLoss(torch.nn.Module):
 
     def __init__(
         self, ignore_index, beta, compiled, use_ref_model, average_log_prob, chunk_size, token_chunk_size,
-        one_pass=True, sweep="eager",
+        one_pass=None, sweep="eager",
     ):  # fmt: skip
         super().__init__()
         if token_chunk_size is not None:
@@ -108,11 +108,14 @@ class ChunkedLinearLoss(torch.nn.Module):
         self.average_log_prob = average_log_prob
         self.chunk_size = chunk_size  # accepted for drop-in compatibility; token_chunk_size bounds memory
         self.token_chunk_size = token_chunk_size
-        # True: gradients formed in the forward (``_onepass``) when one is needed; False: the two-pass path, which
-        # holds no gradient between forward and backward (and no (V, H) sum for a pair longer than a chunk)
-        self.one_pass = bool(one_pass)
+        # None (default): the one-pass path (gradients formed in the forward, ``_onepass``) unless it would hold more
+        # than the two-pass path beyond ``_plan.held_budget_bytes`` (long groups' (V, H) sums, a cast weight), then
+        # the two-pass path; True: always one pass; False: always the two-pass path, which holds no gradient between
+        # forward and backward
+        self.one_pass = None if one_pass is None else bool(one_pass)
         self.sweep = sweep  # "triton": the (chunk, V) sweep as Triton kernels where they run (_plan.sweep_of)
         self.last_path, self.last_chunk, self.last_sweep = None, None, None  # what the last forward did
+        self.last_held = None  # what its one-pass plan would hold beyond the two-pass path (:meth:`held`)
 
     # ------------------------------------------------------------------------------------- what a loss provides
 
@@ -170,18 +173,36 @@ class ChunkedLinearLoss(torch.nn.Module):
 
     def policy_loss(self, hidden, weight, bias, target, batch):
         """``(loss, per-row sums S (detached), counts)`` of the policy: the one-pass path when a gradient is needed
-        and the loss is a sum over groups (unless ``one_pass=False``), else the two-pass path; recorded in
-        :attr:`last_path` / :attr:`last_chunk` / :attr:`last_sweep`."""
+        and the loss is a sum over groups (unless ``one_pass=False``, or by default where it would hold more than
+        :func:`_plan.held_budget_bytes` beyond the two-pass path: :meth:`held`), else the two-pass path; recorded in
+        :attr:`last_path` / :attr:`last_chunk` / :attr:`last_sweep` / :attr:`last_held`."""
         sel = _tokens.select_tokens(hidden, target, self.ignore_index)
         plan = Plan.of(hidden, weight, self.token_chunk_size, self.sweep, bias)
         path, loss_of = self._path(needs_grad(hidden, weight, bias), sel, batch)
-        self.last_path, self.last_chunk, self.last_sweep = path, plan.chunk, plan.sweep
+        self.last_held = None
         if path == ONE_PASS:
             schedule = _onepass.group_chunks(sel.rows, loss_of.group_of_row, sel.counts, plan.chunk)
+            self.last_held = held = self.held(schedule[1], weight, plan)
+            budget = _plan.held_budget_bytes(hidden.device)
+            if self.one_pass is None and held["extra_bytes"] > budget:
+                path = (f"{TWO_PASS}: one pass would hold {held['extra_bytes'] / 2**20:.0f} MiB more "
+                        f"(> {budget / 2**20:.0f} MiB)")  # fmt: skip
+        self.last_path, self.last_chunk, self.last_sweep = path, plan.chunk, plan.sweep
+        if path == ONE_PASS:
             loss, sums = _onepass.OnePassLoss.apply(sel.hidden2d, weight, bias, sel, plan, schedule, loss_of)
             return loss, sums, sel.counts
         sums = _tokens.sequence_sums(_twopass.selected_logprobs(sel, weight, bias, plan), sel.rows, target.shape[0])
         return loss_of(sums), sums.detach(), sel.counts
+
+    @staticmethod
+    def held(chunks, weight, plan: Plan) -> dict:
+        """What the one-pass plan ``chunks`` holds during its forward beyond the two-pass path's peak, in bytes:
+        ``vh_sums`` extra ``(V, H)`` sums of its long groups (``vh_sums_bytes``) and, where the GEMMs cast the weight
+        (fp32 weights under autocast), the cast weight (``cast_bytes``), both beside the weight gradient."""
+        n = _onepass.extra_sums(chunks, weight.requires_grad)
+        sums = n * weight.numel() * weight.element_size()
+        cast = weight.numel() * plan.cdtype.itemsize if weight.dtype != plan.cdtype else 0
+        return dict(vh_sums=n, vh_sums_bytes=sums, cast_bytes=cast, extra_bytes=sums + cast)
 
     def _path(self, grad: bool, sel, batch):
         """``(the path, the loss as a function of the per-row sums)``."""
@@ -193,4 +214,4 @@ class ChunkedLinearLoss(torch.nn.Module):
         loss_of = GroupedLoss(self.group_loss, group_of_row, sel.counts, batch)
         if not grad:
             return NO_GRAD, loss_of
-        return (ONE_PASS if self.one_pass else f"{TWO_PASS}: one_pass=False"), loss_of
+        return (f"{TWO_PASS}: one_pass=False" if self.one_pass is False else ONE_PASS), loss_of

@@ -46,7 +46,7 @@ from ._plan import Plan, no_autocast
 from ._softmax import softmax_
 from ._tokens import Selection
 
-__all__ = ["Chunk", "LossScale", "OnePassLoss", "group_chunks", "loss_scale"]
+__all__ = ["Chunk", "LossScale", "OnePassLoss", "extra_sums", "group_chunks", "loss_scale"]
 
 
 class LossScale:
@@ -167,6 +167,23 @@ def _segments(members, a, b):
         out.append((s, min(b, s + c), r))
         s += c
     return out
+
+
+def extra_sums(chunks, need_w: bool = True) -> int:
+    """How many ``(V, H)`` sums beside the weight gradient the plan ``chunks`` of :func:`group_chunks` holds at once
+    (as :class:`_LongGroups` takes them): the first long group's first row sums into the unwritten weight gradient,
+    every other row of a long group needs its own, reused from one long group to the next; none without ``need_w``."""
+    if not need_w:
+        return 0
+    most, rows, first = 0, [], True
+    for c in chunks:
+        if c.pending is not None:
+            rows += [r for _, _, r in c.pending if r not in rows]
+        elif rows:  # the chunk that ends the open long group
+            most, rows, first = max(most, len(rows) - first), [], False
+        else:
+            first = False  # a chunk of complete groups wrote the weight gradient
+    return max(most, len(rows) - first) if rows else most
 
 
 class _Accumulator:

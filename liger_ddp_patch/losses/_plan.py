@@ -33,6 +33,7 @@ __all__ = [
     "compute_dtype",
     "fp32_out",
     "fp32_output_gemm",
+    "held_budget_bytes",
     "logits_budget_bytes",
     "math_dtype",
     "no_autocast",
@@ -49,11 +50,32 @@ LOGITS_BUDGET_BYTES = {"cpu": 128 << 20, "accelerator": 1 << 30}
 
 MAX_DEFAULT_CHUNK = 8192
 
+# Bytes the one-pass path may hold beyond what the two-pass path holds at its peak (issue 39): its long groups'
+# extra (V, H) sums and, where the GEMMs cast the weight (fp32 weights under autocast), the cast weight, both live
+# during the forward beside the weight gradient that pass already made.  CPU: 384 MiB, a cast of Qwen2.5-0.5B's
+# head to bf16 (0.25 GiB) fits and one fp32 sum of it (0.51 GiB) does not: measured on bench_step's rows, a held sum
+# put the step's peak 1.10-1.15x TRL 1.14's at L=2,048 (benchmarks/mem_head.py says where).  An accelerator:
+# 1/16 of its free memory at the call.
+HELD_BUDGET_BYTES = {"cpu": 384 << 20}
+HELD_BUDGET_FREE_FRACTION = 16
+
 
 def logits_budget_bytes(device=None) -> int:
     """The default per-chunk memory budget for ``device`` (a ``torch.device``, a type string, or None = CPU)."""
     kind = "cpu" if device is None else torch.device(device).type
     return LOGITS_BUDGET_BYTES["cpu" if kind == "cpu" else "accelerator"]
+
+
+def held_budget_bytes(device=None) -> int:
+    """What the default one-pass path may hold beyond the two-pass path (see :data:`HELD_BUDGET_BYTES`)."""
+    kind = "cpu" if device is None else torch.device(device).type
+    if kind == "cpu":
+        return HELD_BUDGET_BYTES["cpu"]
+    try:
+        free, _total = torch.cuda.mem_get_info(device) if kind == "cuda" else (None, None)
+    except (RuntimeError, AssertionError, ValueError):
+        free = None
+    return LOGITS_BUDGET_BYTES["accelerator"] if free is None else int(free) // HELD_BUDGET_FREE_FRACTION
 
 
 @functools.cache

@@ -95,7 +95,8 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
         chunk_size: accepted and **ignored** (Liger's chunk counts rows; the result does not depend on it).
         token_chunk_size: (our own keyword) non-ignored tokens projected per chunk; ``None`` = auto (a memory
             budget per device type, see ``ChunkedDPOLoss``).
-        one_pass: (our own keyword) ``False`` forces the two-pass path (see ``ChunkedDPOLoss``).
+        one_pass: (our own keyword) ``None``: by the held budget; ``True`` / ``False`` force one / two passes
+            (see ``ChunkedDPOLoss``).
         sweep: (our own keyword) ``"eager"`` or ``"triton"`` (see ``ChunkedDPOLoss``).
     """
 
@@ -108,7 +109,7 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
         average_log_prob: bool = False,
         chunk_size: int = 1,
         token_chunk_size: int | None = None,
-        one_pass: bool = True,
+        one_pass: bool | None = None,
         sweep: str = "eager",
     ):
         super().__init__(

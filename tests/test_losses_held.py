@@ -1,0 +1,116 @@
+"""The default loss holds a ``(V, H)`` sum only where the held budget allows it (issue 39 item 2).
+
+A pair (or KTO row) longer than a token chunk makes the one-pass path add its chunks' weight gradients into an
+extra ``(V, H)`` sum until the group's factor is known (``_onepass._LongGroups``).  By default the loss takes the
+two-pass path where that (and a weight cast under autocast) would exceed ``_plan.held_budget_bytes``; with
+``one_pass=True`` (``LIGER_DDP_PATCH_LOSS=one_pass=1``) it always takes one pass.  Retained tensors are *measured*
+here -- every CPU allocation the profiler sees during forward and backward, replayed: how many ``(V, H)``-sized blocks
+are live at once -- not read from the loss's own accounting, which is checked against that count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _loss_cases import call_kto, leaf_copies, make_inputs
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss, _plan
+
+V, H, L, CHUNK = 512, 24, 24, 8  # rows of ~20 loss tokens: every pair and row is longer than a chunk
+
+
+def _most_vh_blocks_live(run) -> int:
+    """The most ``(V, H)`` fp32 blocks live at once while ``run()`` runs (allocations of exactly that size)."""
+    size = V * H * 4
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+
+    def walk(es):
+        for e in es:
+            yield e
+            yield from walk(e.children)
+
+    events = sorted((e for e in walk(prof.profiler.kineto_results.experimental_event_tree())
+                     if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)  # fmt: skip
+    live, most = set(), 0
+    for e in events:
+        f = e.extra_fields
+        if f.alloc_size == size:
+            live.add(f.ptr)
+        elif f.alloc_size == -size:
+            live.discard(f.ptr)
+        most = max(most, len(live))
+    return most
+
+
+def _dpo(x, **kw):
+    fn = ChunkedDPOLoss(beta=0.2, token_chunk_size=CHUNK, **kw)
+    return fn, lambda: fn(x["weight"], x["hidden"], x["target"], None, x["ref_hidden"], x["ref_weight"], None)[0]
+
+
+def _kto(x, **kw):
+    fn = ChunkedKTOLoss(beta=0.2, use_ref_model=True, token_chunk_size=CHUNK, **kw)
+    labels = torch.arange(x["target"].shape[0]) % 2 == 0
+    return fn, lambda: call_kto(fn, x, labels, torch.tensor(0.1))[0]
+
+
+def _inputs(pairs):
+    return leaf_copies(make_inputs(batch=2 * pairs, seq_len=L, hidden=H, vocab=V, bias=False, fully_ignored_row=False))
+
+
+@pytest.fixture
+def budget(monkeypatch):
+    """Set the CPU held budget (bytes) for the test."""
+
+    def set_to(n):
+        monkeypatch.setitem(_plan.HELD_BUDGET_BYTES, "cpu", n)
+
+    return set_to
+
+
+# (loss, pairs or rows / 2, extra sums one pass holds): DPO with rows longer than a chunk: 1 for the first pair,
+# 2 from the second; KTO: 0 for the first long row, 1 from the second
+CASES = [("dpo", 1, 1), ("dpo", 2, 2), ("kto", 1, 1)]
+
+
+@pytest.mark.parametrize(("kind", "pairs", "sums"), CASES)
+def test_default_holds_no_vh_sum_over_the_budget_and_one_pass_does(budget, kind, pairs, sums):
+    budget(V * H * 4 - 1)  # less than one fp32 (V, H) sum: the rule says two passes
+    got = {}
+    for label, kw in (("default", {}), ("one_pass=1", dict(one_pass=True))):
+        x = _inputs(pairs)
+        fn, forward = (_dpo if kind == "dpo" else _kto)(x, **kw)
+        most = _most_vh_blocks_live(lambda f=forward: f().backward())
+        got[label] = (most, fn.last_path, fn.last_held, x["weight"].grad.clone())
+    # the default: the weight gradient alone (made in the backward); one pass: it and the sums, during the forward
+    assert got["default"][0] == 1 and got["default"][1].startswith("two-pass: one pass would hold"), got["default"][:3]
+    assert got["one_pass=1"][0] == 1 + sums and got["one_pass=1"][1] == "one-pass", got["one_pass=1"][:3]
+    # the loss's own accounting says what was measured
+    assert got["default"][2]["vh_sums"] == got["one_pass=1"][2]["vh_sums"] == sums
+    assert got["one_pass=1"][2]["vh_sums_bytes"] == sums * V * H * 4 and got["one_pass=1"][2]["cast_bytes"] == 0
+    torch.testing.assert_close(got["default"][3], got["one_pass=1"][3], rtol=1e-5, atol=1e-6)
+
+
+def test_default_takes_one_pass_where_the_budget_allows_the_sum(budget):
+    budget(V * H * 4)  # exactly one fp32 sum
+    x = _inputs(1)
+    fn, forward = _dpo(x)
+    assert _most_vh_blocks_live(lambda: forward().backward()) == 2 and fn.last_path == "one-pass"
+    assert fn.last_held["extra_bytes"] == V * H * 4
+
+
+def test_a_cast_weight_counts_against_the_budget(budget):
+    """fp32 weights under bf16 autocast: the one-pass forward keeps the bf16 cast beside the weight gradient."""
+    budget(V * H * 2 - 1)  # less than the cast alone
+    x = leaf_copies(make_inputs(batch=2, seq_len=4, hidden=H, vocab=V, bias=False, fully_ignored_row=False))
+    fn, forward = _dpo(x)  # 4-token rows: no long pair, no sum
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        forward().backward()
+    assert fn.last_held == dict(vh_sums=0, vh_sums_bytes=0, cast_bytes=V * H * 2, extra_bytes=V * H * 2)
+    assert fn.last_path.startswith("two-pass: one pass would hold"), fn.last_path
+    budget(V * H * 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        forward().backward()
+    assert fn.last_path == "one-pass"
