@@ -241,6 +241,18 @@ def autocast_precision(trainer: Any) -> str | None:
     return None if environment.loss_options().autocast is False else precision
 
 
+def routed_autocast(trainer: Any) -> Any:
+    """The accelerator's autocast with its weight cache off: the routed region spans the policy's and the
+    reference's decoders and the loss, and the cache would keep the bf16 casts of the reference's weights (which
+    require grad, as TRL leaves them) until it ends; each forward casts a weight once, so no time is lost (issue 39,
+    ``benchmarks/mem_head.py``). The handler's other settings are the Trainer's."""
+    from accelerate.utils import AutocastKwargs
+
+    handler = getattr(trainer.accelerator, "autocast_handler", None)
+    enabled = True if handler is None else handler.enabled
+    return trainer.accelerator.autocast(AutocastKwargs(enabled=enabled, cache_enabled=False))
+
+
 def redirect_forward(wrapper: Any, inner: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
     """Run ``method(*args, **kwargs)`` as ``inner``'s forward, called through ``wrapper`` so its forward runs.
 
@@ -315,7 +327,7 @@ def replacer(spec: TrainerSpec, compiled_only: bool = False) -> Callable[[Any, A
             # KL rows' log-probs chunked as TRL 1.14 computes them (1.9-1.13 materialise their logits).
             def run(unwrapped_model, inputs, return_outputs):
                 with (
-                    self.accelerator.autocast() if precision else contextlib.nullcontext(),
+                    routed_autocast(self) if precision else contextlib.nullcontext(),
                     kl_logps.chunked(self, kl_original, spec),
                 ):
                     return original(self, unwrapped_model, inputs, return_outputs, num_items_in_batch)
