@@ -8,10 +8,12 @@ class RecordingEngine:
 
     def __init__(self, originals: dict | None = None):
         self.notes: list[tuple] = []
+        self.owners: list = []  # the object each note was made for (None: not given), beside ``notes``
         self.originals = originals or {}
 
-    def note(self, name, key, decision):
+    def note(self, name, key, decision, owner=None):
         self.notes.append((name, key, decision))
+        self.owners.append(owner)
 
     def original(self, name):
         return self.originals.get(name)

@@ -142,7 +142,7 @@ class MixedTrainer(Trainer):
                 "mixed_precision": precision,
                 "native_amp": precision != "no",
                 "unwrap_model": staticmethod(lambda m: m),
-                "autocast": staticmethod(lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+                "autocast": staticmethod(lambda handler=None: torch.autocast("cpu", dtype=torch.bfloat16)),
             },
         )()
 
@@ -236,3 +236,46 @@ def test_by_default_the_routed_call_runs_under_autocast_and_stays_silent(process
     assert seen == [True]
     assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
     assert engine.notes[-1][2].endswith("under bf16 autocast"), engine.notes
+
+
+@pytest.mark.parametrize(
+    ("precision", "native_amp", "loss", "compiled", "warned"),
+    [
+        ("bf16", True, "autocast=0", False, True),  # the opt-out, under an autocast the accelerator applies: true
+        ("fp16", True, "autocast=0", False, True),  # fp16 on a GPU
+        ("fp16", False, "", False, False),  # fp16 on CPU: Accelerate autocasts nothing (issue 38; before: warned)
+        ("fp16", False, "autocast=0", False, False),  # ... opt-out or not: use_liger_kernel=False is float32 too
+        ("bf16", True, "", False, False),  # the default: routed under the autocast
+        ("bf16", True, "autocast=1", False, False),
+        ("bf16", True, "autocast=0", True, False),  # TRL 1.14's compiled route: TRL autocasts its own Liger path
+    ],
+    ids=["bf16-opt-out", "fp16-gpu-opt-out", "fp16-cpu", "fp16-cpu-opt-out", "default", "autocast=1", "compiled-1.14"],
+)
+def test_the_fp32_warning_fires_only_where_every_word_of_it_is_true(
+    process_group, records, monkeypatch, precision, native_amp, loss, compiled, warned
+):
+    """It names ``LIGER_DDP_PATCH_LOSS=autocast=0`` and an autocast that the Liger path misses: it fires only when the
+    user set that and the accelerator really autocasts, and only where our route decides the autocast (not TRL 1.14's
+    compiled route). Before, fp16 on CPU with nothing set warned about autocast=0 (and the compiled route too)."""
+    monkeypatch.setenv("LIGER_DDP_PATCH_LOSS", loss)
+    ddp = nn.parallel.DistributedDataParallel(tiny(False, None).to(torch.bfloat16))
+    engine = RecordingEngine()
+    replaced = compute_loss.replacer(DPO, compiled_only=compiled)(lambda self, model, *_: torch.zeros(()), engine)
+    trainer = MixedTrainer(precision, tiny(False, None))  # TRL's own float32 reference model
+    trainer.accelerator.native_amp = native_amp
+    trainer.accelerator.unwrap_model = staticmethod(lambda m: getattr(m, "module", m))
+    replaced(trainer, torch.compile(ddp) if compiled else ddp, {}, False, None)  # never called: not compiled
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(warnings) == int(warned), warnings
+    assert ((pitfalls.FP32_NOTE,) in [n[2:] for n in engine.notes]) is warned, engine.notes
+    if warned:
+        assert f"runs in {precision} mixed precision" in warnings[0] and "autocast=0" in warnings[0], warnings[0]
+
+
+def test_what_the_accelerator_autocasts():
+    """Accelerate's own rule: ``autocast()`` casts only with ``native_amp`` (off for fp16 on CPU and DeepSpeed)."""
+    trainer = MixedTrainer("fp16")
+    assert pitfalls.autocasts(trainer) == "fp16"
+    trainer.accelerator.native_amp = False
+    assert pitfalls.autocasts(trainer) is None and compute_loss.autocast_precision(trainer) is None
+    assert pitfalls.autocasts(MixedTrainer("no")) is None and pitfalls.autocasts(object()) is None

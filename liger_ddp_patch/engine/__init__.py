@@ -4,7 +4,8 @@ A :class:`Patch` (``records``) says *what* to replace and *when*; :func:`decide`
 effects, what to do with it given the installed version, the target found and its shape; :class:`Engine` (``hooks``)
 registers one wrapt post-import hook per target module, carries the decision out (swaps the attribute, or for a record
 without a replacement only *arms* it, for run-time code to consult through :meth:`Engine.original`), undoes it, and
-keeps every decision as a :class:`Status`. Replacements record what they decide at run time with :meth:`Engine.note`.
+keeps every decision as a :class:`Status`. Replacements record what they decide at run time with :meth:`Engine.note`:
+by trainer class in the report, and by trainer object for :meth:`Engine.decisions`.
 The engine knows nothing about any particular library; the records never see wrapt.
 """
 

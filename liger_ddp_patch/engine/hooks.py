@@ -165,6 +165,7 @@ class Engine:
         self._applied: dict[str, _Applied] = {}
         self._hooked: set[str] = set()
         self._lock = threading.RLock()
+        self._by_owner = log.ByObject()  # trainer -> {record name: its run-time decisions} (held weakly)
 
     # -- public -------------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -209,8 +210,21 @@ class Engine:
         done = self._applied.get(name)
         return done.original if done else None
 
-    def note(self, name: str, key: str, decision: str) -> None:
-        """Record a run-time decision of patch ``name`` (kept once per distinct text, in order; cheap when known)."""
+    def note(self, name: str, key: str, decision: str, owner: Any = None) -> None:
+        """Record a run-time decision of patch ``name`` under ``key`` (a trainer class: :meth:`report` groups by it)
+        and, given ``owner`` (the trainer object), for that object alone (:meth:`decisions`). Kept once per distinct
+        text, in order; cheap when known."""
+        if owner is not None:
+            mine = self._by_owner.get(owner)
+            if mine is None or decision not in mine.get(name, ()):
+                with self._lock:
+                    try:
+                        mine = self._by_owner.setdefault(owner, {})
+                    except TypeError:  # takes no weak reference: kept by its class only
+                        mine = {}
+                    said = mine.setdefault(name, [])
+                    if decision not in said:
+                        said.append(decision)
         seen = self._status[name].runtime.get(key)
         if seen is not None and decision in seen:
             return
@@ -218,6 +232,12 @@ class Engine:
             self._status[name].runtime.setdefault(key, [])
             if decision not in self._status[name].runtime[key]:
                 self._status[name].runtime[key].append(decision)
+
+    def decisions(self, owner: Any) -> dict[str, list[str]]:
+        """What the patches decided at run time for this very object (a trainer), by record name: ``{}`` when none
+        saw it. :attr:`Status.runtime` groups by class, so it mixes two trainers of one class; this does not."""
+        with self._lock:
+            return {name: list(said) for name, said in (self._by_owner.get(owner) or {}).items()}
 
     def resolve_pending(self) -> None:
         """Import every target module still pending, so the report says what would happen in a real run."""

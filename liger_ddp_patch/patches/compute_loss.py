@@ -234,10 +234,7 @@ def autocast_precision(trainer: Any) -> str | None:
     it, so a float32 model (TRL's own float32 reference included) ran float32 GEMMs (TRL PR #6988: 0.37 s against
     0.17 s per H100 step). ``LIGER_DDP_PATCH_LOSS=autocast=0`` keeps TRL 1.9-1.13's precision.
     """
-    accelerator = getattr(trainer, "accelerator", None)
-    precision = str(getattr(accelerator, "mixed_precision", "no"))
-    if precision not in ("bf16", "fp16") or not getattr(accelerator, "native_amp", False):
-        return None
+    precision = pitfalls.autocasts(trainer)
     return None if environment.loss_options().autocast is False else precision
 
 
@@ -302,7 +299,7 @@ def replacer(spec: TrainerSpec, compiled_only: bool = False) -> Callable[[Any, A
                 found = found if routed else None
             trainer = type(self).__name__
             if not found:
-                engine.note(name, trainer, decision)
+                engine.note(name, trainer, decision, owner=self)
                 return original(self, model, inputs, return_outputs, num_items_in_batch)
             ddp, inner = found.ddp, found.inner
             if spec.loss and not compiled_only:
@@ -315,12 +312,14 @@ def replacer(spec: TrainerSpec, compiled_only: bool = False) -> Callable[[Any, A
                 decision = f"{decision}, under {precision} autocast"
             if ddp not in checked:
                 checked.add(ddp)
-                fp32 = None if precision else pitfalls.warn_fp32(self, inner)
+                fp32 = None if compiled_only else pitfalls.warn_fp32(self, inner)  # TRL 1.14 autocasts its own path
                 for pitfall in (pitfalls.warn(ddp, inner), fp32):
                     if pitfall:
-                        engine.note(name, trainer, pitfall)
-            engine.note(name, trainer, decision)
-            announce("liger_ddp_patch: %s under DistributedDataParallel: %s (%s)", trainer, decision, spec.upstream)
+                        engine.note(name, trainer, pitfall, owner=self)
+            engine.note(name, trainer, decision, owner=self)
+            announce(
+                "liger_ddp_patch: %s under DistributedDataParallel: %s (%s)", trainer, decision, spec.upstream, key=self
+            )
 
             # Inside the wrapper's forward the original sees the unwrapped model and takes its plain Liger path, under
             # the Trainer's autocast as TRL 1.14's fix runs it (TRL 1.9-1.13 call the decoders outside it), with the

@@ -8,7 +8,8 @@ that is not a ``PreTrainedModel``). With *reentrant* gradient checkpointing, DDP
 never enters ``DistributedDataParallel.forward``, so the same job "ran" without synchronising its gradients; routed
 through the wrapper, it reaches DDP's check.
 
-2. A float32 model under bf16/fp16 mixed precision with ``LIGER_DDP_PATCH_LOSS=autocast=0``. TRL 1.9-1.13's Liger
+2. A float32 model under bf16/fp16 mixed precision that the accelerator really autocasts (not fp16 on CPU, where
+Accelerate casts nothing), with ``LIGER_DDP_PATCH_LOSS=autocast=0`` set. TRL 1.9-1.13's Liger
 path calls the decoders (``model.base_model``, ``ref_model.base_model``; the distillation trainers' teacher's)
 directly, never the forward that Accelerate wraps in autocast: a float32 model's GEMMs then run in float32. The routed
 path runs under the accelerator's autocast by default (``compute_loss.autocast_precision``), so this warning is for
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import environment
 from ..log import warn_once
 from ._peft import is_peft_model
 
@@ -95,12 +97,21 @@ def mostly_fp32(model: Any) -> bool:
 FROZEN = (("ref_model", "reference model"), ("teacher_model", "teacher model"))
 
 
-def fp32_models(trainer: Any, model: Any) -> list[str]:
-    """Which of ``model`` (unwrapped) and the trainer's frozen models run float32 under mixed precision."""
+def autocasts(trainer: Any) -> str | None:
+    """``"bf16"``/``"fp16"``: the precision ``trainer.accelerator.autocast()`` really casts to; None when it casts to
+    none (no mixed precision; fp16 on CPU, where Accelerate leaves ``native_amp`` off and autocasts nothing, so the
+    non-Liger path computes in float32 too; DeepSpeed, which casts the model itself)."""
     accelerator = getattr(trainer, "accelerator", None)
     precision = str(getattr(accelerator, "mixed_precision", "no"))
+    return precision if precision in ("bf16", "fp16") and getattr(accelerator, "native_amp", False) else None
+
+
+def fp32_models(trainer: Any, model: Any) -> list[str]:
+    """Which of ``model`` (unwrapped) and the trainer's frozen models run float32 where the non-Liger path would
+    autocast them (:func:`autocasts`)."""
+    accelerator = getattr(trainer, "accelerator", None)
     args = getattr(trainer, "args", None)
-    if precision not in ("bf16", "fp16") or getattr(args, "tf32", None) is True:
+    if autocasts(trainer) is None or getattr(args, "tf32", None) is True:
         return []  # tf32=True: float32 GEMMs already run on tensor cores, the fix the warning would name
     names = ["model"] if mostly_fp32(model) else []
     precomputed = getattr(args, "precompute_ref_log_probs", False)
@@ -115,11 +126,13 @@ def fp32_models(trainer: Any, model: Any) -> list[str]:
 
 
 def warn_fp32(trainer: Any, model: Any) -> str | None:
-    """Warn once per process (rank 0) when a float32 model would run outside autocast; the note, else ``None``."""
+    """Warn once per process (rank 0) when ``LIGER_DDP_PATCH_LOSS=autocast=0`` is set and a float32 model runs outside
+    the autocast the accelerator really applies; the note, else ``None``. Only then is every word of it true."""
+    if environment.loss_options().autocast is not False:  # the default (unset, or autocast=1): routed under autocast
+        return None
     names = fp32_models(trainer, model)
     if not names:
         return None
     what = " and ".join(names) + (" are" if len(names) > 1 else " is")
-    precision = str(trainer.accelerator.mixed_precision)
-    warn_once(FP32_NOTE, FP32_MESSAGE, type(trainer).__name__, precision, what)
+    warn_once(FP32_NOTE, FP32_MESSAGE, type(trainer).__name__, autocasts(trainer), what)
     return FP32_NOTE
