@@ -143,6 +143,24 @@ def test_no_whole_vocabulary_logits_control_trls_has_them():
     assert our_run.largest <= max(4, 32) * V < B * (L - 1) * V, our_run.largest
 
 
+def test_the_method_chunked_installs_is_ours():
+    """What the routed call really runs: inside :func:`kl_logps.chunked` the trainer's ``_compute_kl_logps`` holds no
+    ``(B, L, V)`` tensor and equals TRL's value (issue 38 item 9: with the wrapper calling TRL's method instead, the
+    tests above and the decision text all still passed); the control, TRL's method on the same trainer, holds one."""
+    m, b = model(), batch()
+    t = kto_trainer.KTOTrainer.__new__(kto_trainer.KTOTrainer)
+    t.calculate_KL, t.use_liger_kernel, t._is_vlm = True, True, False
+    t.liger_loss = types.SimpleNamespace(token_chunk_size=4, sweep="eager")  # the swapped loss the options come from
+    whole = B * (L - 1) * V
+    with LargestTensor() as trl_run:
+        ref = t._compute_kl_logps(m, b)
+    with kl_logps.chunked(t, TRL_METHOD, KTO), LargestTensor() as routed:
+        ours = t._compute_kl_logps(m, b)
+    assert trl_run.largest >= whole, trl_run.largest
+    assert routed.largest < whole, f"the routed call materialised {routed.largest:,} elements: TRL's method ran"
+    assert (ours - ref).abs().max().item() <= 1e-6 * ref.abs().max().item(), (ours, ref)
+
+
 def test_chunked_is_scoped_to_one_call():
     """The routed call sees ours; before and after it, the trainer's method is TRL's again (and so is a second
     trainer's): one process, DeepSpeed, FSDP never meet it."""
