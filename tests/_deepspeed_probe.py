@@ -130,6 +130,10 @@ def run_one(kind: str, args) -> dict:
         "history": trainer.state.log_history,
         "weights": digests,
         "partitioned": partitioned,
+        # the steps each gradient check of the package compared (its default check: none, under DeepSpeed)
+        "checks": {
+            type(c).__name__: c.checked_steps for c in trainer.callback_handler.callbacks if hasattr(c, "checked_steps")
+        },
     }
 
 

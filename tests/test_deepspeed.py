@@ -57,7 +57,7 @@ def launch(
         wrote = "wrote its JSON" if out.exists() else "wrote nothing"
         pytest.fail(f"ZeRO-{stage} PROBE_PATCH={mode} launch {wrote} and exited {proc.returncode}:\n{log}")
     data = json.loads(out.read_text())
-    return {"report": data["report"], **{r["trainer"]: r for r in data["results"]}}
+    return {"report": data["report"], "log": proc.stdout + proc.stderr, **{r["trainer"]: r for r in data["results"]}}
 
 
 @pytest.fixture(scope="module", params=[3, 2], ids=["zero3", "zero2"])
@@ -131,6 +131,15 @@ def test_same_weights_bit_for_bit(runs, trainer):
     before, after = unpatched[trainer]["weights"], patched[trainer]["weights"]
     assert len(before) == 25
     assert [n for n in before if after.get(n) != before[n]] == []
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_the_gradient_check_stays_out(runs, trainer):
+    """DeepSpeed launched the usual way (accelerate's environment, ``args.deepspeed`` empty) holds no DDP module: the
+    default check compares nothing and claims nothing (it once logged "in sync" with 0 gradients read)."""
+    _, unpatched, patched = runs
+    assert unpatched[trainer]["checks"] == {} and patched[trainer]["checks"] == {"FirstStepCheck": []}
+    assert "in sync across" not in patched["log"] and "NOT synchronised" not in patched["log"]
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)

@@ -90,11 +90,15 @@ def test_every_must_be_positive_and_single_process_is_a_no_op():
     assert out.strip() == "[]"
 
 
-# Run after `import liger_ddp_patch`: is transformers' Trainer.__init__ the check's wrapper; its status row.
+# Run after `import liger_ddp_patch`: is transformers' Trainer.__init__ the check's wrapper; its status row; the checks
+# a new Trainer really holds.
 HOOKED = (
-    "import transformers.trainer as t\n"
+    "import tempfile, torch, transformers.trainer as t\n"
+    "trainer = t.Trainer(model=torch.nn.Linear(2, 2), args=t.TrainingArguments(output_dir=tempfile.mkdtemp(),\n"
+    "                    use_cpu=True, report_to=[]))\n"
+    "checks = [type(c).__name__ for c in trainer.callback_handler.callbacks if hasattr(c, 'checked_steps')]\n"
     "print(getattr(vars(t.Trainer)['__init__'], '_self_liger_ddp_patch', None) == 'gradient_sync_check',\n"
-    "      {r.name: r for r in liger_ddp_patch.report()}['gradient_sync_check'].status)\n"
+    "      {r.name: r for r in liger_ddp_patch.report()}['gradient_sync_check'].status, ','.join(checks) or '-')\n"
 )
 
 
@@ -108,7 +112,7 @@ def test_env_hook_adds_the_callback_and_unpatch_removes_it():
     )
     env = {**__import__("os").environ, "LIGER_DDP_PATCH_VERIFY": "1", "LIGER_DDP_PATCH_DISABLE": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
-    assert out.split() == ["True", "applied", "False", "disabled"]
+    assert out.split() == ["True", "applied", "GradientSyncVerifier", "False", "disabled", "-"]
 
 
 @pytest.mark.ddp
@@ -141,7 +145,7 @@ def test_patched_run_with_verifier_is_silent(tiny_small):
 
 
 # -- the default check: once, at the first optimizer step of every DDP job where the package is on ------------------
-FIRST = "liger_ddp_patch: gradients in sync across 2 ranks at step 0 (25 parameters)"
+FIRST = "liger_ddp_patch: gradients in sync across 2 ranks at step 0 (25 of 25 parameters compared)"
 NOT_SYNCED = "liger_ddp_patch: Gradients are NOT synchronised across the 2 data-parallel ranks at optimizer step 0: "
 
 
@@ -158,8 +162,8 @@ def test_default_check_is_hooked_only_while_the_package_is_on():
     envs = {"default": {}, "VERIFY=0": {"LIGER_DDP_PATCH_VERIFY": "0"}, "DISABLE=1": {"LIGER_DDP_PATCH_DISABLE": "1"},
             "DISABLE=name": {"LIGER_DDP_PATCH_DISABLE": "gradient_sync_check"}}  # fmt: skip
     hooked = dict(zip(envs, two_at_a_time(*(functools.partial(hooked_in, env) for env in envs.values()))))
-    assert hooked == {"default": "True applied", "VERIFY=0": "False disabled", "DISABLE=1": "False disabled",
-                      "DISABLE=name": "False disabled"}  # fmt: skip
+    assert hooked == {"default": "True applied FirstStepCheck", "VERIFY=0": "False disabled -",
+                      "DISABLE=1": "False disabled -", "DISABLE=name": "False disabled -"}  # fmt: skip
 
 
 @pytest.mark.ddp
@@ -181,3 +185,206 @@ def test_default_check_catches_a_desync_the_patches_miss(tiny_small, strict):
     assert NOT_SYNCED in result["log"] and "model.embed_tokens.weight" in result["log"], result["log"][-3000:]
     assert "Likely cause: DPOTrainer (model OptimizedModule) computes its loss outside" in result["log"]
     assert result["log"].count(NOT_SYNCED) == 1  # rank 0 only, first step only
+
+
+# -- robust: what cannot be compared is counted as such, never a crash ----------------------------------------------
+def test_unreadable_gradients_are_skipped_and_not_counted():
+    dense = torch.randn(4, 3)
+    sparse = torch.randn(4, 3).to_sparse()
+    meta = torch.empty(4, 3, device="meta")
+
+    class Shard(torch.Tensor):  # a tensor subclass, as a DTensor shard is
+        pass
+
+    shard = dense.clone().as_subclass(Shard)
+    rows = fingerprints([dense, sparse, meta, shard, None])
+    assert rows[:, verify.PRESENT].tolist() == [1.0, -1.0, -1.0, -1.0, 0.0]
+    other = fingerprints([dense.clone(), torch.randn(4, 3).to_sparse(), meta, shard * 2, None])
+    table = torch.stack([rows, other])
+    assert disagreements(table) == {} and verify.compared(table) == 1  # only the dense gradient was compared
+    table[1, 0, verify.SUM] += 1.0
+    assert disagreements(table) == {0: [1]}
+
+
+def test_weights_are_compared_exactly():
+    """An AdamW step at TRL's default lr 1e-6 on one rank only moves every element by ~1e-6: the exact weight check
+    sees it, the gradients' tolerance (1e-7 of the L1 norm) would not."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1000, generator=g)
+    stepped = w - 1e-6 * torch.randn(1000, generator=g).sign()
+    same = torch.stack([verify.weight_fingerprint(w), verify.weight_fingerprint(w.clone())])[:, None]
+    differ = torch.stack([verify.weight_fingerprint(w), verify.weight_fingerprint(stepped)])[:, None]
+    assert disagreements(same, 0.0) == {} and disagreements(differ, 0.0) == {0: [1]}
+    loose = torch.stack([fingerprints([w])[0], fingerprints([stepped])[0]])[:, None]
+    assert disagreements(loose) == {}  # why weights are compared with rtol=0
+
+
+@pytest.mark.parametrize(
+    "backend,expected",
+    [("gloo", "cpu"), ("mpi", "cpu"), ("cpu:gloo,cuda:nccl", "cpu"), ("nccl", "acc:3"), ("xccl", "acc:3"),
+     ("hccl", "acc:3")],
+)  # fmt: skip
+def test_the_table_travels_on_the_device_the_backend_needs(monkeypatch, backend, expected):
+    from liger_ddp_patch.verify import collective
+
+    class Accelerator:
+        is_available = staticmethod(lambda: True)
+        current_accelerator = staticmethod(lambda: __import__("types").SimpleNamespace(type="acc"))
+        current_device_index = staticmethod(lambda: 3)
+
+    monkeypatch.setattr(collective.dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch, "accelerator", Accelerator, raising=False)
+    monkeypatch.setattr(collective.torch, "device", lambda kind, index=None: f"{kind}:{index}" if index is not None
+                        else kind)  # fmt: skip
+    assert collective.device() == expected
+
+
+def test_a_failing_collective_is_one_warning_and_the_job_goes_on(monkeypatch, caplog):
+    from liger_ddp_patch.verify import callbacks, collective
+
+    def broken(local, group=None):
+        raise RuntimeError("Tensors must be CUDA and dense")
+
+    monkeypatch.setattr(collective, "gather", broken)
+    monkeypatch.setattr(callbacks.package_log, "is_main_process", lambda: True)
+    model = torch.nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    check = verify.GradientSyncVerifier(1)
+    with caplog.at_level("WARNING", logger="liger_ddp_patch"):
+        check.check(model, 0)  # no exception
+    assert "the gradient-sync check could not run (RuntimeError: Tensors must be CUDA and dense)" in caplog.text
+    assert check.checked_steps == []
+
+
+# -- the documented API, pickling ---------------------------------------------------------------------------------
+def _trainer(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    import liger_ddp_patch  # noqa: F401  (the default check is added by the package's Trainer.__init__ hook)
+
+    return Trainer(model=torch.nn.Linear(2, 2), args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                                                        report_to=[]))  # fmt: skip
+
+
+def _checks(trainer) -> list:
+    return [c for c in trainer.callback_handler.callbacks if isinstance(c, verify.GradientSyncVerifier)]
+
+
+def test_verify_gradient_sync_replaces_the_default_check_with_the_raising_one(tmp_path):
+    trainer = _trainer(tmp_path)
+    (default,) = _checks(trainer)
+    assert type(default) is verify.FirstStepCheck and not default.strict
+    check = verify.verify_gradient_sync(trainer, every=3)
+    assert _checks(trainer) == [check] and type(check) is verify.GradientSyncVerifier
+    assert (check.every, check.strict) == (3, True)
+    assert verify.verify_gradient_sync(trainer, every=5) is check and check.every == 5  # re-timed, not doubled
+    with pytest.raises(ValueError):
+        verify.verify_gradient_sync(trainer, every=0)
+
+
+def test_a_trainer_pickles_and_deep_copies_with_its_check(tmp_path):
+    import copy
+    import pickle
+
+    trainer = _trainer(tmp_path)
+    for twin in (pickle.loads(pickle.dumps(trainer)), copy.deepcopy(trainer)):
+        (check,) = _checks(twin)
+        assert type(check) is verify.FirstStepCheck and check._trainer() is twin  # the copy checks the copy
+
+
+# -- scope and honesty: real 2-rank jobs of a plain Trainer (tests/_verify_probe.py) ---------------------------------
+PROBE = str(Path(__file__).with_name("_verify_probe.py"))
+SETUPS = "ddp-liger,ddp,desync,desync-late,sparse,fsdp1,fsdp2,desync+verify"
+
+
+def verify_probe(setups: str, nproc: int = 2, env: dict | None = None) -> dict:
+    import json
+    import os
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="verify-probe-")) / "out.json"
+    full = {k: v for k, v in os.environ.items() if not k.startswith("LIGER_DDP_PATCH_")}
+    full.update(env or {}, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [
+        str(Path(__file__).resolve().parents[1]), full.get("PYTHONPATH")])))  # fmt: skip
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    proc = subprocess.run([sys.executable, *launch, PROBE, "--setup", setups, "--out", str(out)], env=full,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert out.exists(), (proc.stdout + proc.stderr)[-4000:]
+    return {r["setup"]: r for r in json.loads(out.read_text())["results"]}
+
+
+@pytest.fixture(scope="module")
+def scoped():
+    """The default environment, 2 ranks, every setup in one launch."""
+    return verify_probe(SETUPS)
+
+
+IN_SYNC = "INFO: liger_ddp_patch: gradients in sync across 2 ranks at step 0 (3 of 3 parameters compared)"
+WEIGHTS_IN_SYNC = "INFO: liger_ddp_patch: weights in sync across 2 ranks at checkpoint-3 (3 of 3 parameters compared)"
+
+
+@pytest.mark.ddp
+def test_default_check_acts_only_on_a_ddp_model_on_a_liger_path(scoped):
+    """DDP + Liger: one collective at the first step (of 3) and one at the checkpoint, and two true lines. No Liger,
+    FSDP1 (use_orig_params), FSDP2: no collective, no line (the old check false-alarmed on FSDP1 from a config)."""
+    liger = scoped["ddp-liger"]
+    assert "error" not in liger and liger["checks"] == {"FirstStepCheck": {"steps": [0], "saves": [3]}}, liger
+    assert (liger["collectives"], liger["lines"]) == (2, [IN_SYNC, WEIGHTS_IN_SYNC])
+    assert liger["portable"] == {"pickle": "ok", "deepcopy": "ok"}  # a launch's first Trainer (transformers' own
+    # state stops later ones pickling, with the package or without)
+    for setup in ("ddp", "fsdp1", "fsdp2"):
+        run = scoped[setup]
+        assert "error" not in run and (run["collectives"], run["lines"]) == (0, []), run
+        assert run["checks"] == {"FirstStepCheck": {"steps": [], "saves": []}}
+    # the control: a check without the scope sees FSDP1's shards differ (a false alarm) and FSDP2's not at all
+    assert (scoped["fsdp1"]["unscoped"], scoped["fsdp2"]["unscoped"]) == ("differ: 3", "same")
+
+
+@pytest.mark.ddp
+def test_default_check_warns_at_the_first_step_and_at_a_checkpoint(scoped):
+    """A loss that bypasses DDP's forward from step 0: one WARNING, the job trains on. From step 1 only: the first
+    step holds, and the checkpoint's weights catch it."""
+    first = scoped["desync"]
+    assert "error" not in first and first["checks"]["FirstStepCheck"]["steps"] == [0], first
+    said = (
+        "WARNING: liger_ddp_patch: Gradients are NOT synchronised across the 2 data-parallel ranks at optimizer step 0"
+    )
+    assert first["lines"][0].startswith(f"{said} 0: 3 of 3 parameters differ"), first
+    late = scoped["desync-late"]
+    assert "error" not in late and late["lines"][0] == IN_SYNC, late
+    said = "WARNING: liger_ddp_patch: Weights are NOT synchronised across the 2 data-parallel ranks at checkpoint-3"
+    assert late["lines"][1].startswith(f"{said}: 3 of 3 parameters differ"), late
+    assert "The checkpoint holds rank 0's copy only" in late["lines"][1] and len(late["lines"]) == 2
+
+
+@pytest.mark.ddp
+def test_a_sparse_gradient_is_skipped_and_counted(scoped):
+    run = scoped["sparse"]
+    assert "error" not in run, run
+    assert run["lines"][0] == IN_SYNC.replace("3 of 3", "2 of 3"), run  # the sparse embedding was not compared
+
+
+@pytest.mark.ddp
+def test_verify_gradient_sync_raises_after_the_default_check(scoped):
+    run = scoped["desync+verify"]
+    assert run["error"].startswith("GradientDesyncError: Gradients are NOT synchronised"), run
+    assert set(run["checks"]) == {"GradientSyncVerifier"}
+
+
+@pytest.mark.ddp
+def test_strict_and_verify_n_raise_and_one_process_is_silent():
+    from harness import two_at_a_time
+
+    strict, every = two_at_a_time(
+        functools.partial(verify_probe, "desync,ddp-liger", env={"LIGER_DDP_PATCH_STRICT": "1"}),
+        functools.partial(verify_probe, "desync,ddp", env={"LIGER_DDP_PATCH_VERIFY": "1"}),
+    )
+    assert strict["desync"]["error"].startswith("GradientDesyncError: Gradients are NOT synchronised"), strict
+    assert "error" not in strict["ddp-liger"] and strict["ddp-liger"]["lines"] == [IN_SYNC, WEIGHTS_IN_SYNC]
+    assert every["desync"]["error"].startswith("GradientDesyncError"), every
+    ddp = every["ddp"]  # the explicit check needs no Liger: every step of 3, and the checkpoint
+    assert ddp["checks"] == {"GradientSyncVerifier": {"steps": [0, 1, 2], "saves": [3]}} and ddp["collectives"] == 4
+    alone = verify_probe("ddp-liger,desync", nproc=0)
+    for run in alone.values():
+        assert "error" not in run and (run["collectives"], run["lines"]) == (0, []), run
+    assert alone["ddp-liger"]["portable"] == {"pickle": "ok", "deepcopy": "ok"}

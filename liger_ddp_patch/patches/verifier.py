@@ -1,9 +1,10 @@
 """The record that gives every transformers ``Trainer`` the cross-rank gradient check of :mod:`liger_ddp_patch.verify`.
 
-``LIGER_DDP_PATCH_VERIFY`` unset: while the package is on (not ``LIGER_DDP_PATCH_DISABLE=1``), every Trainer checks
-once, at its first optimizer step under DDP, and warns (:class:`~liger_ddp_patch.verify.FirstStepCheck`); ``=N``:
-at the first step and every N after, raising, even with the patches disabled; ``0``: no check. The Trainer is
-transformers', not TRL's: every release has its ``__init__``, so no version gates the record.
+``LIGER_DDP_PATCH_VERIFY`` unset: while the package is on (not ``LIGER_DDP_PATCH_DISABLE=1``), every Trainer gets
+:class:`~liger_ddp_patch.verify.FirstStepCheck`, which acts only where the bug can live (a model under DDP, a Liger
+path): at its first optimizer step and every checkpoint, and warns. ``=N``: any DDP model, at the first step and every
+N after, raising, even with the patches disabled; ``0``: no check. The Trainer is transformers', not TRL's: every
+release has its ``__init__``, so no version gates the record.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from typing import Any
 
 from .. import environment
 from ..engine import Patch
+from .trainers import SPECS
 
 NAME = "gradient_sync_check"
+# What says "this trainer runs a Liger path": use_liger_kernel, or a trainer's own flag (GKD's, Distillation's)
+LIGER_FLAGS = tuple(dict.fromkeys(flag for spec in SPECS for flag in spec.liger_flags))
 
 
 def gate(current: environment.Settings) -> tuple[str | None, str]:
@@ -21,8 +25,8 @@ def gate(current: environment.Settings) -> tuple[str | None, str]:
     every = current.verify_every
     if every > 0:
         return None, (
-            f"{environment.VERIFY}={every}: at the first optimizer step and every {every} after, raising "
-            "GradientDesyncError if the ranks' gradients differ"
+            f"{environment.VERIFY}={every}: for a model under DistributedDataParallel, at the first optimizer step and "
+            f"every {every} after, and at every checkpoint, raising GradientDesyncError if the ranks differ"
         )
     if not current.check_first:
         return f"disabled by {environment.VERIFY}=0", ""
@@ -30,12 +34,12 @@ def gate(current: environment.Settings) -> tuple[str | None, str]:
         return f"disabled by {environment.DISABLE} (with it, only {environment.VERIFY}=N checks gradients)", ""
     if current.strict:
         return None, (
-            f"{environment.VERIFY} unset: once, at the first optimizer step under DDP, raising GradientDesyncError "
-            f"if the ranks' gradients differ ({environment.STRICT}=1)"
+            f"{environment.VERIFY} unset: for a Liger trainer under DistributedDataParallel, at the first optimizer "
+            f"step and at every checkpoint, raising GradientDesyncError if the ranks differ ({environment.STRICT}=1)"
         )
     return None, (
-        f"{environment.VERIFY} unset: once, at the first optimizer step under DDP, a WARNING if the ranks' gradients "
-        "differ"
+        f"{environment.VERIFY} unset: for a Liger trainer under DistributedDataParallel, at the first optimizer step "
+        "and at every checkpoint, a WARNING if the ranks differ"
     )
 
 
@@ -54,7 +58,7 @@ def replace(original: Any, engine: Any) -> Any:
         if every:
             verify_gradient_sync(self, every)
         elif not any(isinstance(c, GradientSyncVerifier) for c in self.callback_handler.callbacks):
-            self.add_callback(FirstStepCheck(self, strict))
+            self.add_callback(FirstStepCheck(self, strict, LIGER_FLAGS))
 
     return __init__
 
@@ -69,6 +73,6 @@ RECORD = Patch(
     releases=(),
     check=check,
     replace=replace,
-    summary="adds the cross-rank gradient check to every Trainer",
+    summary="adds the cross-rank gradient and checkpoint check to every Trainer (it acts only under DDP)",
     gate=gate,
 )

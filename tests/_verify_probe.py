@@ -1,0 +1,221 @@
+"""Where the default check acts, and what it says: one setup per launch, a plain transformers Trainer on a tiny model.
+
+Run under ``torchrun`` (2 CPU ranks, gloo) or as one process. Each rank trains on other rows (the Trainer's sampler),
+so gradients that DDP never all-reduced differ. Rank 0 writes JSON to ``--out``: the collectives the package ran
+(all-gathers called from ``liger_ddp_patch``), its log lines, the error if the job stopped, the steps each check
+compared, and whether the Trainer pickles and deep-copies.
+
+Setups (``--setup``): ``ddp-liger`` (a Liger flag on the trainer, as TRL's set it), ``ddp`` (no Liger), ``desync``
+(Liger, the loss computed on the unwrapped model from the first step: TRL #7245's shape), ``desync-late`` (the same
+from step 1: step 0 is in sync, the checkpoint is not), ``sparse`` (an ``Embedding(sparse=True)``, SGD), ``fsdp1`` /
+``fsdp2`` (the model sharded by FSDP, ``use_orig_params=True`` / ``fully_shard``: what a Trainer launched from an
+accelerate config holds while its ``TrainingArguments`` say nothing; the check's events are sent by hand after one
+backward, as the Trainer would). ``PROBE_PATCH=none`` leaves the package out; it is imported before transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import pickle
+import sys
+import tempfile
+
+if os.environ.get("PROBE_PATCH", "before") == "before":
+    import liger_ddp_patch  # noqa: F401
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+VOCAB, HIDDEN = 64, 16
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, sparse: bool = False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN, sparse=sparse)
+        self.head = torch.nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids, labels=None):
+        logits = self.head(self.embed(input_ids))
+        return {
+            "loss": torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)),
+            "logits": logits,
+        }
+
+
+def rows(n: int = 16) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (n, 8), generator=g)
+    return [{"input_ids": r, "labels": r.roll(1)} for r in ids]
+
+
+class Collected(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(f"{record.levelname}: {record.getMessage()}")
+
+
+def count_collectives() -> list[int]:
+    """Wrap ``dist.all_gather``: count the calls made from the package's own code."""
+    calls = [0]
+    original = dist.all_gather
+
+    def all_gather(*args, **kwargs):
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("liger_ddp_patch"):
+            calls[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather = all_gather
+    return calls
+
+
+def checks(trainer) -> dict:
+    return {
+        type(c).__name__: {"steps": getattr(c, "checked_steps", None), "saves": getattr(c, "checked_saves", None)}
+        for c in trainer.callback_handler.callbacks
+        if hasattr(c, "checked_steps")
+    }
+
+
+def portable(trainer) -> dict:
+    out = {}
+    for name, how in (
+        ("pickle", lambda: pickle.loads(pickle.dumps(trainer))),
+        ("deepcopy", lambda: copy.deepcopy(trainer)),
+    ):
+        try:
+            twin = how()
+            out[name] = "ok" if checks(twin).keys() == checks(trainer).keys() else "callbacks lost"
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"[:200]
+    return out
+
+
+def probe_trainer():
+    """A Trainer whose loss can bypass DDP's forward from a given step (``desync_from``), as TRL #7245's does."""
+    from transformers import Trainer
+
+    global Probe
+
+    class Probe(Trainer):
+        desync_from: int | None = None
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if self.desync_from is not None and self.state.global_step >= self.desync_from:
+                model = self.accelerator.unwrap_model(model)  # DDP.forward never runs: TRL #7245's shape
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+        def _get_grad_norm(
+            self, model, grad_norm=None
+        ):  # transformers 5 logs a norm torch cannot take of a sparse grad
+            sparse = any(p.grad is not None and p.grad.is_sparse for p in model.parameters())
+            return grad_norm if sparse else super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    Probe.__qualname__ = "Probe"
+    return Probe
+
+
+def sharded(setup: str, trainer, args) -> str:
+    """FSDP1/FSDP2 on CPU: shard the model, one backward on this rank's rows, then the events a Trainer sends."""
+    from transformers import TrainerControl, TrainerState
+
+    model = trainer.model
+    if setup == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        wrapped = fully_shard(model)
+    trainer.model_wrapped = wrapped
+    batch = rows()[dist.get_rank() :: 2][:4]
+    ids = torch.stack([r["input_ids"] for r in batch])
+    wrapped(input_ids=ids, labels=torch.stack([r["labels"] for r in batch]))["loss"].backward()
+    state, control = TrainerState(), TrainerControl()
+    trainer.callback_handler.on_pre_optimizer_step(args, state, control)
+    trainer.callback_handler.on_save(args, state, control)
+    return control_check(model)
+
+
+def control_check(model) -> str:
+    """The control: compare this rank's gradients with no scope at all, as the check once did when the arguments
+    named no FSDP (collective of its own, after the events above)."""
+    from liger_ddp_patch.verify import GradientDesyncError, GradientSyncVerifier
+
+    try:
+        GradientSyncVerifier(1).check(model, 0)
+    except GradientDesyncError as exc:
+        return f"differ: {len(exc.params)}"
+    return "same"
+
+
+def run(setup: str, cli, calls: list[int], handler: Collected) -> dict:
+    """One setup on a fresh model and Trainer (``+verify``: ``verify_gradient_sync(trainer, every=1)`` first)."""
+    from transformers import TrainingArguments, set_seed
+
+    base, _, extra = setup.partition("+")
+    calls[0], handler.lines = 0, []
+    set_seed(0)
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="verify-probe-"),
+        use_cpu=True,
+        max_steps=cli.steps,
+        per_device_train_batch_size=2,
+        learning_rate=0.1,
+        optim="sgd",
+        max_grad_norm=0.0,
+        save_strategy="steps" if cli.save_steps else "no",
+        save_steps=cli.save_steps or 500,
+        report_to=[],
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = probe_trainer()(model=Tiny(sparse=base == "sparse"), args=args, train_dataset=rows())
+    trainer.desync_from = {"desync": 0, "desync-late": 1}.get(base)
+    if base != "ddp":
+        trainer.use_liger_kernel = True  # what TRL's trainers set from their config
+    if extra == "verify":
+        import liger_ddp_patch
+
+        liger_ddp_patch.verify_gradient_sync(trainer, every=1)
+    result: dict = {"setup": setup, "world": dist.get_world_size() if dist.is_initialized() else 1}
+    result["portable"] = portable(trainer)  # as Ray Tune ships it: built, not yet trained
+    try:
+        if base in ("fsdp1", "fsdp2"):
+            result["unscoped"] = sharded(base, trainer, args)
+        else:
+            trainer.train()
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"[:600]
+        result["trace"] = __import__("traceback").format_exc()[:3000]
+    result.update(collectives=calls[0], lines=list(handler.lines), checks=checks(trainer))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--setup", required=True, help="comma-separated setups, run one after the other")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--save-steps", type=int, default=3)
+    cli = parser.parse_args()
+
+    handler = Collected()
+    logging.getLogger("liger_ddp_patch").addHandler(handler)
+    calls = count_collectives()
+    results = [run(setup, cli, calls, handler) for setup in cli.setup.split(",")]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(cli.out, "w") as f:
+            json.dump({"results": results}, f)
+
+
+if __name__ == "__main__":
+    main()
