@@ -38,7 +38,7 @@ class LossOptions(NamedTuple):
         return {k: v for k, v in self._asdict().items() if v is not None}
 
     def describe(self) -> str:
-        one_pass = "1 (default)" if self.one_pass is None else str(int(self.one_pass))
+        one_pass = "auto (default)" if self.one_pass is None else str(int(self.one_pass))
         chunk = "auto (default)" if self.token_chunk_size is None else str(self.token_chunk_size)
         sweep = "eager (default)" if self.sweep is None else self.sweep
         autocast = "1 (default)" if self.autocast is None else str(int(self.autocast))
@@ -127,7 +127,8 @@ def _parse_disable(raw: str, known: frozenset[str]) -> tuple[bool, frozenset[str
 
 _LOSS_USAGE = (
     f"expected comma-separated key=value: one_pass=0|1 (0: the two-pass loss, no gradient held from the forward to "
-    f"the backward), token_chunk_size=<positive integer> (loss tokens per chunk), sweep=eager|triton (triton: "
+    f"the backward; 1: always one pass, a long pair's (V, H) sums whatever they cost; default: one pass within the "
+    f"held budget, else two), token_chunk_size=<positive integer> (loss tokens per chunk), sweep=eager|triton (triton: "
     f"the softmax and gradient sweep as Triton kernels, CUDA only), autocast=0|1 (0: TRL's Liger path without the "
     f"Trainer's mixed-precision autocast, as TRL 1.9-1.13 run it), e.g. "
     f"{LOSS}=one_pass=0,token_chunk_size=1024"

@@ -195,7 +195,7 @@ def test_status_shows_the_loss_options_and_says_what_is_wrong_with_them():
     proc = bad
     rows = {row["name"]: row for row in json.loads(proc.stdout)}
     assert rows["dpo_chunked_loss"]["reason"].endswith(
-        "one_pass=1 (default), token_chunk_size=auto (default), sweep=eager (default), autocast=1 (default)"
+        "one_pass=auto (default), token_chunk_size=auto (default), sweep=eager (default), autocast=1 (default)"
     )
     assert "SettingsWarning: LIGER_DDP_PATCH_LOSS='token_chunk_size=-1': token_chunk_size='-1' is not valid" in (
         proc.stderr

@@ -133,7 +133,7 @@ def test_bad_loss_options_warn_and_keep_the_defaults(fresh_loss_parse, value, ba
 
 
 def test_loss_options_describe_the_defaults():
-    defaults = "one_pass=1 (default), token_chunk_size=auto (default), sweep=eager (default), autocast=1 (default)"
+    defaults = "one_pass=auto (default), token_chunk_size=auto (default), sweep=eager (default), autocast=1 (default)"
     assert environment.LossOptions().describe() == defaults
     set_all = "one_pass=0, token_chunk_size=512, sweep=triton, autocast=0"
     assert environment.LossOptions(False, 512, "triton", False).describe() == set_all
@@ -172,11 +172,11 @@ def test_the_swap_builds_our_loss_with_the_options(fresh_loss_parse, monkeypatch
     loss, said = swapped(value)
     options = environment.parse_loss(value).overrides()
     assert type(loss).__name__ == f"Chunked{kind.upper()}Loss" and loss.beta == 0.25
-    assert (loss.one_pass, loss.token_chunk_size) == (options.get("one_pass", True), options["token_chunk_size"])
+    assert (loss.one_pass, loss.token_chunk_size) == (options.get("one_pass"), options["token_chunk_size"])
     assert loss.sweep == options.get("sweep", "eager")
     assert said.endswith(f"(LIGER_DDP_PATCH_LOSS: {value.replace(',', ', ')})"), said
     loss, said = swapped("")
-    assert (loss.one_pass, loss.token_chunk_size, loss.sweep) == (True, None, "eager")
+    assert (loss.one_pass, loss.token_chunk_size, loss.sweep) == (None, None, "eager")  # None: the held budget
     assert "LIGER_DDP_PATCH_LOSS" not in said
 
 
