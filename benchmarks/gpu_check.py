@@ -71,8 +71,9 @@ STEP_ARMS = ("patched", "patched_onepass", "off", "trl114")
 # path before autocast, issue 32), patched_fullkl (KTO's KL logits before issue 32 item 3); any arm + BF16_REF runs
 # with a bf16 ref_model instead of TRL's own float32 reference (issue 32 item 4: both in one call)
 EXTRA_STEP_ARMS = ("patched_triton", "patched_noautocast", "patched_fullkl")
-# arms of (c) that bench_step does not name: its "patched" launched with these settings added to the environment
-STEP_SETTINGS = {"patched_onepass": {"LIGER_DDP_PATCH_LOSS": "one_pass=1"}}  # one pass for every pair (the old default)
+# what an arm's ranks must have been given (bench_step.arm_env), checked per row: patched_onepass is one pass for
+# every pair, the default before issue 39's held budget
+LOSS_SETTING = {"patched_onepass": "one_pass=1"}
 NOT_RUN = "not run: the time budget was spent"
 BF16_REF = "+bf16ref"
 STEP_TRAINERS = ("dpo", "kto")
@@ -331,14 +332,6 @@ def launch_order(arms: tuple[str, ...], trainers: tuple[str, ...]) -> list[tuple
     return [(arm, trainer) for arm in arms for trainer in trainers]
 
 
-def step_launch(arm: str, bench_step) -> tuple[str, dict]:
-    """The arm bench_step launches for a (c) arm and the settings added to its environment: bench_step's own arm
-    as it is, ``STEP_SETTINGS``' arms as its ``patched`` with their settings."""
-    if arm in bench_step.TRL_OF:
-        return arm, {}
-    return "patched", STEP_SETTINGS[arm]
-
-
 def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
     """bench_step's launches on this device, two one-process nodes (both ranks on cuda:0), one row per trainer x
     arm; no launch starts after ``deadline`` (a row then says so).  Rewrites ``part_c.json`` after every launch."""
@@ -354,7 +347,6 @@ def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
     for arm, trainer in launch_order(args.step_arms, trainers):  # every trainer's first arms before any extra arm
         row = dict(trainer=trainer, arm=arm, L=L, prompt=STEP_PROMPT, V=size["V"], H=size["H"])
         base, bf16_ref = arm.removesuffix(BF16_REF), arm.endswith(BF16_REF) or args.ref_same_dtype
-        launched, settings = step_launch(base, bench_step)
         opts.ref_same_dtype = bf16_ref
         left = deadline - time.monotonic()
         if left < longest:
@@ -362,25 +354,20 @@ def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
         else:
             opts.timeout = min(args.timeout_c, left)
             prefix = out / f"memory-{trainer}-{arm.replace('+', '-')}"
-            extra = dict(settings, **({"BENCH_STEP_MEMORY": str(prefix)} if args.memory else {}))  # --memory: one
-            saved = {k: os.environ.get(k) for k in extra}  # more step, not timed: rank 0's peak by site (_memory.py)
-            os.environ.update(extra)
+            if args.memory:  # one more step, not timed: rank 0's peak by site (_memory.py)
+                os.environ["BENCH_STEP_MEMORY"] = str(prefix)
             try:
-                row["loss_setting"] = bench_step.arm_env(launched, 1, {}).get("LIGER_DDP_PATCH_LOSS")
-                res = bench_step.launch(launched, (trainer, "bf16", STEP_PROMPT, L), opts, assets, work, trl)
+                row["loss_setting"] = bench_step.arm_env(base, 1, {}).get("LIGER_DDP_PATCH_LOSS")
+                res = bench_step.launch(base, (trainer, "bf16", STEP_PROMPT, L), opts, assets, work, trl)
             finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+                os.environ.pop("BENCH_STEP_MEMORY", None)
             longest = max(longest, res["wall_s"])
             memory = Path(f"{prefix}.rank0.json")
             if memory.exists():
                 row["memory"] = json.loads(memory.read_text())
                 memory.unlink()
             res["warmup"] = 1
-            row.update(bench_step.summarise(launched, [res]), wall_s=round(res["wall_s"], 1), run=res)
+            row.update(bench_step.summarise(base, [res]), wall_s=round(res["wall_s"], 1), run=res)
             row["reference"] = "bf16" if bf16_ref else "TRL's (float32)"
             row["times"] = [rank["times"] for rank in res.get("ranks", [])]  # per rank: warm-up, measured
             if "error" in row:
@@ -447,7 +434,7 @@ def check_rows(
                 str(x).startswith("Chunked") for x in r.get("losses", [])
             ):
                 bad.append(f"{tag}: loss {r.get('losses')}, not ours")
-            want = STEP_SETTINGS.get(str(r.get("arm")).removesuffix(BF16_REF), {}).get("LIGER_DDP_PATCH_LOSS")
+            want = LOSS_SETTING.get(str(r.get("arm")).removesuffix(BF16_REF))
             if want and r.get("loss_setting") != want:
                 bad.append(f"{tag}: ran with LIGER_DDP_PATCH_LOSS={r.get('loss_setting')}, not {want}")
     if "a" in parts:
@@ -524,6 +511,7 @@ def targets(rows_c: list[dict]) -> list[str]:
 
 def render_c(info: dict, rows_c: list[dict]) -> list[str]:
     import _memory
+    import bench_step
 
     c = info.get("step", {})
     lines = [
@@ -533,7 +521,7 @@ def render_c(info: dict, rows_c: list[dict]) -> list[str]:
         f"pair / 2 KTO rows; reference model {c.get('reference', '?')} (arms{BF16_REF}: bf16); peak = "
         f"{'max allocated' if info['device'] == 'cuda' else 'VmHWM'} per rank",
         f"{'trainer':7} {'arm':15} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9} {'patched/arm time':>17} "
-        f"{'patched/arm mem':>16}  loss",
+        f"{'patched/arm mem':>16}  loss, held (V,H) GiB (path)",
     ]
     for r in rows_c:
         head = f"{r.get('trainer', '-'):7} {r.get('arm', '-'):15}"
@@ -544,6 +532,7 @@ def render_c(info: dict, rows_c: list[dict]) -> list[str]:
         lines.append(
             f"{head} {r['s']:>8.3f} {r['tok_s']:>9.0f} {r['peak_gib']:>9.2f} {r.get('patched_time', nan):>17.2f}"
             f" {r.get('patched_mem', nan):>16.2f}  {' '.join(r.get('losses', [])) or '-'}"
+            f"{', held ' + bench_step.held_cell(r['held']) if r.get('held') else ''}"
         )
         if "memory" in r:
             lines += _memory.render(r["memory"])

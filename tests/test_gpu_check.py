@@ -83,7 +83,7 @@ def _passing_report():
     rows_c = [
         dict(trainer=t, arm=a, s=1.0, tok_s=100.0, peak_gib=2.0, steps=[1.0], times=[[3, 1, 1], [3, 1, 1]],
              losses=["ChunkedDPOLoss"] if a.startswith("patched") else [],
-             loss_setting=gpu_check.STEP_SETTINGS.get(a, {}).get("LIGER_DDP_PATCH_LOSS"))
+             loss_setting=gpu_check.LOSS_SETTING.get(a))
         for t in gpu_check.STEP_TRAINERS for a in gpu_check.STEP_ARMS
     ]  # fmt: skip
     return dict(a=rows_a, b=rows_b, c=rows_c)
@@ -188,15 +188,14 @@ def test_the_budget_drops_the_last_arms_of_every_trainer_not_a_trainer():
     assert gpu_check.check_rows(report["a"], report["b"], 2, ("c",), c, 2, gpu_check.STEP_TRAINERS, arms) == []
 
 
-def test_onepass_arm_is_bench_steps_patched_with_one_pass_set():
-    """patched_onepass's ranks get ``LIGER_DDP_PATCH_LOSS=one_pass=1`` (bench_step's ``patched`` with it added, while
-    bench_step has no such arm) and run the package; bench_step's own arms launch as they are."""
+def test_onepass_arm_runs_the_package_with_one_pass_set():
+    """patched_onepass's ranks get ``LIGER_DDP_PATCH_LOSS=one_pass=1`` and the package (bench_step's arm), what
+    check_rows expects of its row."""
     import bench_step
 
-    arm, settings = gpu_check.step_launch("patched_onepass", bench_step)
-    env = bench_step.arm_env(arm, 1, {}, settings)  # what its ranks get (os.environ plus the settings)
-    assert env["LIGER_DDP_PATCH_LOSS"] == "one_pass=1" and "LIGER_DDP_PATCH_DISABLE" not in env, env
-    assert gpu_check.step_launch("patched_triton", bench_step) == ("patched_triton", {})
+    env = bench_step.arm_env("patched_onepass", 1, {}, {})
+    assert env["LIGER_DDP_PATCH_LOSS"] == gpu_check.LOSS_SETTING["patched_onepass"] == "one_pass=1", env
+    assert "LIGER_DDP_PATCH_DISABLE" not in env, env
 
 
 def _fake_wheel(folder: Path, name: str, version: str) -> Path:
