@@ -104,6 +104,27 @@ def test_ratios_and_targets_per_row():
     assert bench_step.verdict(row) == "ok time/off, MISS time/trl114"
 
 
+def test_the_held_sums_are_broken_out_per_arm():
+    """Each package arm's row says what (V, H) sums its loss held and which path it took (the loss's own
+    ``last_held``, the larger rank's): held on the one-pass path, nothing where the budget sent it to two passes."""
+    vh = 0.5 * GIB
+    one = dict(vh_sums=1, vh_sums_bytes=vh, cast_bytes=0, extra_bytes=vh, path="one-pass")
+    two = dict(one, path="two-pass: one pass would hold 512 MiB more (> 384 MiB)")
+    launches = {}
+    for arm, held in (("patched", two), ("patched_onepass", one)):
+        launches[arm] = _launch(arm, 2048, 3 * GIB)
+        launches[arm]["ranks"][1]["held"] = held
+        launches[arm]["ranks"][0]["held"] = dict(held, vh_sums_bytes=0)  # the other rank held less
+    cells = {arm: bench_step.held_cell(bench_step.summarise(arm, [r])["held"]) for arm, r in launches.items()}
+    assert cells == {"patched": "0.00 (two-pass; one pass: 0.50)", "patched_onepass": "0.50 (one-pass)"}
+    assert bench_step.held_cell(None) == "-"  # an arm without the package's loss
+    table = [dict(trainer="dpo", dtype="mixed", prompt=0.5, L=2048, tokens=8192, verdict="",
+                  arms={a: bench_step.summarise(a, [r]) for a, r in launches.items()}, ratios={})]  # fmt: skip
+    text = bench_step.render(table, ["patched", "patched_onepass"], "h")
+    assert "patched held (V,H) GiB, path | patched_onepass held (V,H) GiB, path |" in text
+    assert "| 0.00 (two-pass; one pass: 0.50) | 0.50 (one-pass) |" in text, text
+
+
 def test_memory_estimates_use_what_was_measured():
     size = bench_step.MODEL
     cfg = ("dpo", "fp32", 0.5, 2048)
@@ -141,6 +162,8 @@ def test_each_arm_gets_its_package_setting():
     assert env["patched_noautocast"]["LIGER_DDP_PATCH_LOSS"] == "autocast=0"  # the routed path before autocast
     assert "LIGER_DDP_PATCH_DISABLE" not in env["patched_noautocast"]
     assert env["patched_fullkl"]["LIGER_DDP_PATCH_DISABLE"] == "kto_kl_logps"  # KTO's KL rows before issue 32 item 3
+    assert env["patched_onepass"]["LIGER_DDP_PATCH_LOSS"] == "one_pass=1"  # one pass whatever it holds (issue 39)
+    assert "LIGER_DDP_PATCH_DISABLE" not in env["patched_onepass"]
     for arm in ("off", "trl114", "unpatched"):
         assert env[arm]["LIGER_DDP_PATCH_DISABLE"] == "1" and "LIGER_DDP_PATCH_LOSS" not in env[arm], arm
     assert env["trl114"]["PYTHONPATH"].startswith("/trl-1.14") and env["off"]["PYTHONPATH"].startswith("/trl-1.12")
