@@ -122,7 +122,7 @@ def probe_trainer():
     return Probe
 
 
-def sharded(setup: str, trainer, args) -> str:
+def sharded(setup: str, trainer, args) -> None:
     """FSDP1/FSDP2 on CPU: shard the model, one backward on this rank's rows, then the events a Trainer sends."""
     from transformers import TrainerControl, TrainerState
 
@@ -142,7 +142,6 @@ def sharded(setup: str, trainer, args) -> str:
     state, control = TrainerState(), TrainerControl()
     trainer.callback_handler.on_pre_optimizer_step(args, state, control)
     trainer.callback_handler.on_save(args, state, control)
-    return control_check(model)
 
 
 def control_check(model) -> str:
@@ -190,13 +189,15 @@ def run(setup: str, cli, calls: list[int], handler: Collected) -> dict:
     result["portable"] = portable(trainer)  # as Ray Tune ships it: built, not yet trained
     try:
         if base in ("fsdp1", "fsdp2"):
-            result["unscoped"] = sharded(base, trainer, args)
+            sharded(base, trainer, args)
         else:
             trainer.train()
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"[:600]
         result["trace"] = __import__("traceback").format_exc()[:3000]
     result.update(collectives=calls[0], lines=list(handler.lines), checks=checks(trainer))
+    if base in ("fsdp1", "fsdp2"):
+        result["unscoped"] = control_check(trainer.model)
     return result
 
 

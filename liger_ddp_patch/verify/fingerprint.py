@@ -55,8 +55,11 @@ def readable(tensor: torch.Tensor) -> bool:
     )
 
 
-def _row(values: Sequence[torch.Tensor | float], device: torch.device) -> torch.Tensor:
-    return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+def _row(total: torch.Tensor, l1: torch.Tensor | None, squares: torch.Tensor | None, dot: torch.Tensor) -> torch.Tensor:
+    """One row from scalar tensors on one device (``None``: a zero column); one ``stack``, no host round trip."""
+    zero = torch.zeros_like(dot)
+    columns = (torch.ones_like(dot), total, zero if l1 is None else l1, zero if squares is None else squares, dot)
+    return torch.stack([c.to(torch.float64) for c in columns])
 
 
 def _skipped() -> torch.Tensor:
@@ -77,7 +80,7 @@ def fingerprint(grad: torch.Tensor | None) -> torch.Tensor:
             return _skipped()
         flat = grad.detach().reshape(-1)
         if not flat.numel():
-            return _row([GRAD, 0, 0, 0, 0], flat.device)
+            return torch.tensor([GRAD, 0, 0, 0, 0], dtype=torch.float64)
         zero = torch.zeros((), dtype=torch.float64, device=flat.device)
         total, l1, squares = zero, zero, zero
         size = _CHUNK if flat.device.type != "cpu" else _CPU_CHUNK
@@ -87,7 +90,7 @@ def fingerprint(grad: torch.Tensor | None) -> torch.Tensor:
             total = total + chunk.sum()
             l1 = l1 + torch.linalg.vector_norm(chunk, 1)
             squares = squares + torch.dot(chunk, chunk)
-        return _row([GRAD, total, l1, squares, _sampled_dot(flat)], flat.device)
+        return _row(total, l1, squares, _sampled_dot(flat))
     except Exception:  # whatever this tensor is, it is not something we can compare: say so, never stop the job
         return _skipped()
 
@@ -99,9 +102,9 @@ def weight_fingerprint(weight: torch.Tensor) -> torch.Tensor:
             return _skipped()
         flat = weight.detach().reshape(-1)
         if not flat.numel():
-            return _row([GRAD, 0, 0, 0, 0], flat.device)
+            return torch.tensor([GRAD, 0, 0, 0, 0], dtype=torch.float64)
         total = flat.sum(dtype=torch.float32) if flat.element_size() < 4 else flat.sum()
-        return _row([GRAD, total, 0, 0, _sampled_dot(flat)], flat.device)
+        return _row(total, None, None, _sampled_dot(flat))
     except Exception:
         return _skipped()
 
