@@ -9,7 +9,8 @@ What Liger's tests draw, and what is kept:
 * weights, hidden states and biases ``randn`` (scale 1: logits ~N(0, H)), targets ``randint`` with a random number
   of positions set to ``ignore_index`` (module cases), ``(ignore_index, beta)`` in ``(-100, 0.1), (42, 0.2)``;
 * dtypes fp32 (compared to Liger at 1e-5: loss, every metric, every gradient) and bf16 (loss and gradients against
-  the fp32 result on the same bf16 values, at most 1.5x Liger's own bf16 error plus 1e-3 of the scale);
+  the fp32 result on the same bf16 values, at most 1.5x Liger's own bf16 error plus 1e-3 of the scale; every metric
+  against Liger's fp64 result on the same values, within METRIC_BOUND of its scale);
 * DPO: ``bias`` / ``ref_bias``, ``compute_nll_loss``, every loss type with Liger's extra arguments (``label_smoothing``
   0.1 / 1e-3, ``discopop_tau``), the module form (``use_ref_model``, ``average_log_prob=True``) and the functional
   form's defaults (``average_log_prob=False``), ``alpha`` 1 and 2 with ``ref_input`` the policy's own hidden states;
@@ -19,7 +20,8 @@ What Liger's tests draw, and what is kept:
 Not the full cross product (320 DPO cases there): 29 cases, each with the next combination of the binary arguments,
 so that every value of every argument occurs (``test_the_cases_cover_every_argument_form``), every loss type in both
 dtypes.  Every case runs both of our paths (one pass, two passes).  Broken on purpose (a ``(1,)`` kl
-taken per row again) every KTO case fails.
+taken per row again) every KTO case fails; with the log-probs or the logit means / sums metric 1 % off, all 15 bf16
+cases fail (a reward 1 % off stays within the bound: its error is measured against the log-probs it is made of).
 """
 
 from __future__ import annotations
@@ -47,6 +49,18 @@ DPO_TYPES = {  # Liger's test_correctness (sigmoid), _apo_loss_types and _extra_
 SMALL, TINY = (3, 47, 31, 123), (2, 2, 8, 8)
 IGNORE_BETA = ((-100, 0.1), (42, 0.2))
 FP32_TOL = 1e-5
+# bf16 metrics against the fp64 truth, max |ours - truth| / scale (a reward's scale: beta x the largest log-prob, the
+# terms it is the difference of). Worst over the cases and both paths, AVX2 only / AVX-512 BF16 (issue 38 item 8;
+# no AMX record): log-probs 1.0e-3 / 1.0e-3, logit means and sums 6.1e-7 / 6.1e-7, NLL 9.7e-4 / 9.7e-4, rewards
+# 1.1e-3 / 1.1e-3 (Liger's own bf16 metrics: up to 2.4e-2, its logit sums from bf16 logits). 2x the worst is below
+# two bf16 ulps of the scale, so the bound is two ulps; a metric 1 % off misses it.
+METRIC_BOUND = 2**-7
+METRICS = {
+    "dpo": ("chosen_logps", "rejected_logps", "chosen_logits_mean", "rejected_logits_mean", "nll_loss",
+            "chosen_rewards", "rejected_rewards"),
+    "kto": ("chosen_logps_sum", "rejected_logps_sum", "chosen_logits_sum", "rejected_logits_sum",
+            "chosen_rewards_sum", "rejected_rewards_sum"),
+}  # fmt: skip
 
 
 class Case(NamedTuple):
@@ -185,6 +199,17 @@ def _err(a, b):
     return (a.detach().double() - b.detach().double()).abs().max().item()
 
 
+def metric_errors(case: Case, metrics, truth) -> dict:
+    """Each metric's max |error| against the fp64 ``truth``, relative to its scale (a reward's: beta x the largest
+    log-prob, since it is a difference of log-probs; an all-zero metric, e.g. NLL off: 1)."""
+    logp_scale = max(t.abs().max().item() for t in truth[:2])
+    out = {}
+    for name, m, t in zip(METRICS[case.kind], metrics, truth, strict=True):
+        scale = case.beta * logp_scale if "rewards" in name else (t.abs().max().item() or 1.0)
+        out[name] = _err(m, t) / scale
+    return out
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_liger_s_own_cases(case):
     liger = load_reference(case.kind, "liger")
@@ -220,6 +245,12 @@ def test_liger_s_own_cases(case):
                 e_o, e_l, scale = _err(o, t), _err(li, t), t.detach().double().abs().max().item()
                 if not e_o <= 1.5 * e_l + 1e-3 * scale:
                     bad.append(f"{path} {name}: {e_o:.3g} from fp32, Liger's bf16 {e_l:.3g} (scale {scale:.3g})")
+        fp64 = _run(liger, case, {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+                                  for k, v in x.items()}, compiled=False)[1]  # fmt: skip
+        for path, ours in runs.items():
+            for name, err in metric_errors(case, ours[1], fp64).items():
+                if not err <= METRIC_BOUND:
+                    bad.append(f"{path} metric {name}: {err:.3g} of its scale from fp64 (bound {METRIC_BOUND:.3g})")
     assert not bad, "\n".join(bad)
 
 
