@@ -21,6 +21,7 @@ __all__ = [
     "PatchError",
     "Status",
     "apply",
+    "decisions",
     "report",
     "unpatch",
     "verify_gradient_sync",
@@ -45,6 +46,13 @@ def report(resolve: bool = False) -> list[Status]:
         if row.name in _LOSS_SWAPS and row.status in (APPLIED, PENDING):
             row.reason += f"; loss options ({_environment.LOSS}): {loss.describe()}"
     return rows
+
+
+def decisions(trainer) -> dict[str, list[str]]:
+    """What the patches decided at run time for this very ``trainer`` object, by patch name (``{}``: none saw it).
+
+    :func:`report` groups those decisions by trainer class, which mixes two trainers of one class in a process."""
+    return _engine.decisions(trainer)
 
 
 def unpatch() -> None:

@@ -416,7 +416,8 @@ def test_fp16_one_pass_keeps_what_grad_scaler_keeps(monkeypatch, autocast):
     (autocast).  Before (the forward at scale 1): 0.105 and 94,195 entries flushed, grad-input 6x the two-pass
     error (Liger 0.8.5: 0.104, 91,425).  Broken on purpose -- ``LossScale.of`` returning 1, as before -- every
     case fails; long pairs' sums stored at scale 1 (``pending = 1``): 2.4e-3, 8x the two-pass error, fails."""
-    monkeypatch.setattr(_onepass, "loss_scale", _onepass.LossScale())  # a fresh process: GradScaler's first step
+    scale = _onepass.LossScale()  # a fresh one: GradScaler's first step; one for the losses of this run
+    monkeypatch.setattr(_onepass, "scale_of", lambda loss: scale)
     x = _fp16_inputs(151_936)
     truth = fp64_dpo_truth(x)
     nt = torch.ones(151_936, dtype=torch.bool)
@@ -441,7 +442,7 @@ def test_fp16_one_pass_keeps_what_grad_scaler_keeps(monkeypatch, autocast):
         if e_one[0] > 2 * e_two[0] or e_one[1] > 2 * e_two[1] + 2 or e_one[2] > 2 * e_two[2]:
             bad.append(f"{name}: {e_one} vs two-pass {e_two}")
     assert not bad, "\n".join(bad)
-    assert _onepass.loss_scale.value == GRAD_SCALE  # the next forward stores at GradScaler's scale
+    assert scale.value == GRAD_SCALE  # the next forward stores at GradScaler's scale
 
 
 def test_fp16_gradients_that_overflow_the_stored_scale_are_recomputed(monkeypatch):
@@ -452,7 +453,7 @@ def test_fp16_gradients_that_overflow_the_stored_scale_are_recomputed(monkeypatc
 
     scale = _onepass.LossScale()
     scale.value = 2.0**40
-    monkeypatch.setattr(_onepass, "loss_scale", scale)
+    monkeypatch.setattr(_onepass, "scale_of", lambda loss: scale)
     calls = []
     real = _twopass.backward_chunks
     monkeypatch.setattr(_twopass, "backward_chunks", lambda *a: calls.append(1) or real(*a))
@@ -471,7 +472,7 @@ def test_fp16_stored_scale_follows_the_incoming_gradient(monkeypatch):
     """The stored scale is the last fp16 backward's incoming gradient rounded down to a power of two, from any
     value (1: no GradScaler yet); a zero incoming gradient leaves it; bf16 stores at none."""
     scale = _onepass.LossScale()
-    monkeypatch.setattr(_onepass, "loss_scale", scale)
+    monkeypatch.setattr(_onepass, "scale_of", lambda loss: scale)
     x = _fp16_inputs(300, hidden=16)
     for before, incoming, after in ((1.0, GRAD_SCALE, GRAD_SCALE), (GRAD_SCALE, 3 * 2.0**10, 2.0**11), (4.0, 0.0, 4.0)):
         scale.value = before

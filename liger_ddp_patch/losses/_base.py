@@ -189,7 +189,9 @@ class ChunkedLinearLoss(torch.nn.Module):
                         f"(> {budget / 2**20:.0f} MiB)")  # fmt: skip
         self.last_path, self.last_chunk, self.last_sweep = path, plan.chunk, plan.sweep
         if path == ONE_PASS:
-            loss, sums = _onepass.OnePassLoss.apply(sel.hidden2d, weight, bias, sel, plan, schedule, loss_of)
+            loss, sums = _onepass.OnePassLoss.apply(
+                sel.hidden2d, weight, bias, sel, plan, schedule, loss_of, _onepass.scale_of(self)
+            )
             return loss, sums, sel.counts
         sums = _tokens.sequence_sums(_twopass.selected_logprobs(sel, weight, bias, plan), sel.rows, target.shape[0])
         return loss_of(sums), sums.detach(), sel.counts

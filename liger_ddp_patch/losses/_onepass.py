@@ -49,7 +49,7 @@ from ._plan import Plan, no_autocast
 from ._softmax import softmax_
 from ._tokens import Selection
 
-__all__ = ["Chunk", "LossScale", "OnePassLoss", "extra_sums", "group_chunks", "loss_scale"]
+__all__ = ["Chunk", "LossScale", "OnePassLoss", "extra_sums", "group_chunks", "scale_of"]
 
 
 class LossScale:
@@ -60,8 +60,9 @@ class LossScale:
     a scale (2**16 at first, halved on overflow) which the backward receives as its incoming gradient.  The one-pass
     forward runs before that scale exists; at scale 1 it flushed 94,195 weight-gradient entries to zero at
     V = 151,936, H = 16 (the two-pass path: 9; Liger 0.8.5 as we did: 91,425).  So in fp16 it stores them at ``value``
-    times their size -- ``value``: the incoming gradient of the previous fp16 one-pass backward rounded down to a
-    power of two (GradScaler's scale; its initial 2**16 before the first) -- and the backward multiplies by
+    times their size -- ``value``: the incoming gradient of the same loss object's previous fp16 one-pass backward
+    (one scale per loss, :func:`scale_of`) rounded down to a power of two (GradScaler's scale; its initial 2**16
+    before the first) -- and the backward multiplies by
     ``grad_output / value``, a power of two under GradScaler: exact.  A long group's sums (its factor unknown until
     it ends) are stored at ``value * factor``, ``factor`` the largest row factor of the previous call.  Where the
     stored gradients are not all finite (GradScaler just halved its scale, or this batch's gradients are larger),
@@ -97,7 +98,14 @@ class LossScale:
             self.value = 2.0 ** math.floor(math.log2(g))
 
 
-loss_scale = LossScale()  # one per process, as GradScaler's scale
+def scale_of(owner) -> LossScale:
+    """The :class:`LossScale` of ``owner`` (a loss object), made at its first call: each loss follows the GradScaler
+    of the job it is trained in, so a second fp16 run in the process (another trainer, another loss) never starts
+    from the first's scale, and two losses never move one scale."""
+    scale = vars(owner).get("_liger_ddp_patch_loss_scale")
+    if scale is None:
+        scale = vars(owner)["_liger_ddp_patch_loss_scale"] = LossScale()
+    return scale
 
 
 class Chunk(NamedTuple):
@@ -243,16 +251,17 @@ class OnePassLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden2d, weight, bias, sel: Selection, plan: Plan, schedule, grouped):
-        run = _Run(sel, weight, bias, plan, schedule, ctx.needs_input_grad[:3], loss_scale.of(plan))
+    def forward(ctx, hidden2d, weight, bias, sel: Selection, plan: Plan, schedule, grouped, scales: LossScale):
+        run = _Run(sel, weight, bias, plan, schedule, ctx.needs_input_grad[:3], scales)
         with no_autocast(hidden2d.device):
             for chunk in schedule[1]:
                 run.chunk(chunk, grouped)
             with torch.no_grad():
                 loss = grouped(run.sums)
         ctx.grads, ctx.plan, ctx.has_bias, ctx.scale = run.results(bias), plan, bias is not None, run.scale
+        ctx.scales = scales
         if run.largest is not None:  # fp16
-            loss_scale.saw_factors(float(run.largest))
+            scales.saw_factors(float(run.largest))
         ctx.sel = run.ordered._replace(hidden2d=None)  # the integer index tensors; hidden2d is saved below
         ctx.save_for_backward(hidden2d, weight, bias if bias is not None else weight.new_empty(0), run.lse, run.g_tok)
         ctx.mark_non_differentiable(run.sums)
@@ -267,8 +276,8 @@ class OnePassLoss(torch.autograd.Function):
             )
         grads, ctx.grads = ctx.grads, None  # hand the tensors over (no copy into .grad)
         factor = float(grad_loss)  # a Python float: a half-precision gradient is scaled in fp32, rounded once
-        if ctx.scale is not None:  # fp16: stored at loss_scale's value (LossScale)
-            loss_scale.saw(factor)
+        if ctx.scale is not None:  # fp16: stored at the loss's LossScale value
+            ctx.scales.saw(factor)
             if grads is not None and not _finite(grads):
                 grads = None  # overflowed at that scale: recompute as the two-pass path would, below
         if grads is None:  # a second backward (retain_graph=True), or fp16 overflow: recompute with the two-pass path
@@ -284,7 +293,7 @@ class OnePassLoss(torch.autograd.Function):
             factor /= ctx.scale  # a power of two: exact
         if factor != 1.0:
             grads = tuple(None if g is None else g.mul_(factor) for g in grads)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def _finite(grads) -> bool:
@@ -296,17 +305,18 @@ def _finite(grads) -> bool:
 
 class _Run:
     """The state of one forward: the group-ordered tokens, the per-row sums, and the gradients made so far, stored
-    at ``scale`` times their size (:class:`LossScale`; None: as they are, but in fp16)."""
+    at ``scale`` times their size (``scales.of(plan)``, :class:`LossScale`; None: as they are, but in fp16)."""
 
-    def __init__(self, sel: Selection, weight, bias, plan: Plan, schedule, needs, scale: float | None = None):
+    def __init__(self, sel: Selection, weight, bias, plan: Plan, schedule, needs, scales: LossScale):
         need_h, need_w, need_b = needs
+        scale = scales.of(plan)
         order = schedule[0]
         V, device = weight.shape[0], sel.hidden2d.device
         self.ordered = sel._replace(positions=sel.positions[order], labels=sel.labels[order], rows=sel.rows[order])
         self.plan, self.bias, self.scale = plan, bias, scale
         # fp16: a long group's sums are stored at the scale times the previous call's largest row factor (its own is
         # not known until it ends), and their largest factor is recorded for the next call
-        self.pending = 1.0 if scale is None else scale * loss_scale.factor
+        self.pending = 1.0 if scale is None else scale * scales.factor
         self.largest = None
         n = self.ordered.positions.numel()
         self.sums = torch.zeros(sel.counts.shape[0], dtype=plan.mdtype, device=device)  # as two-pass

@@ -67,10 +67,11 @@ def replacer(spec: TrainerSpec) -> Callable[[Any, Any], Any]:
                         shown = fact.read(call)
                         if shown is not None:
                             text = liger_settings.message(fact, trainer, trl, shown)
-                            engine.note(name, trainer, text)
+                            engine.note(name, trainer, text, owner=self)
                             warn_once((trainer, fact.setting), text)
             except Exception as exc:  # never break the user's script over a warning
-                engine.note(name, trainer, f"settings not checked: reading them raised {type(exc).__name__}: {exc}")
+                said = f"settings not checked: reading them raised {type(exc).__name__}: {exc}"
+                engine.note(name, trainer, said, owner=self)
             original(self, *args, **kwargs)
 
         return __init__
