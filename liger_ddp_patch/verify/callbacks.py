@@ -248,9 +248,10 @@ def likely_cause(trainer) -> str:
     name = type(trainer).__name__
     # the rows of the patches of TRL's Liger path (not the check's own row, on transformers' Trainer)
     rows = {r.name: r for r in package.report() if r.target.startswith("trl")} if package is not None else {}
-    ours = [r for r in rows.values() if r.runtime.get(name)]
+    decided = package.decisions(trainer) if package is not None else {}  # this trainer's, not its class's
+    ours = {record: said for record, said in decided.items() if record in rows and said}
     if ours:  # a patch of ours saw this trainer's compute_loss: say what it decided
-        said = "; ".join(f"{r.name}: {', '.join(r.runtime[name])}" for r in ours)
+        said = "; ".join(f"{record}: {', '.join(said)}" for record, said in ours.items())
         return f"the patches decided [{said}], and the ranks still differ: a gap in liger_ddp_patch, please report it"
     if rows and not any(r.status == "applied" for r in rows.values()):
         return "no liger_ddp_patch patch is applied here (see `liger-ddp-patch status`)"
