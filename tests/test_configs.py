@@ -20,10 +20,14 @@ from liger_ddp_patch.patches import pitfalls
 
 pytestmark = pytest.mark.ddp
 
-# Of each tensor's scale.  bf16 (bf16 weights): per configuration and reference, at most 2x the error measured
-# (FP32 where the measured error is 0; test_table checks the bounds stay that tight), so a regression like the one
-# 799e722 records (2.6e-3 -> 1.2e-2) fails.
+# Of each tensor's scale.  bf16 (bf16 weights): per configuration and reference, about 2x the worst error measured on
+# the CPU kinds we know (``worst``), never below two bf16 ulps of the scale (TWO_ULPS), and FP32 where every kind
+# measured exactly 0 (the same computation, bit for bit); test_table checks the bounds stay that tight. Measured
+# (issue 38 item 8) under torch 2.13.0+cpu as AVX2 only / AVX-512 BF16 / AMX: AVX2 only is an AMD EPYC with
+# AVX-512 BF16 run with ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 (and its own TORCHINDUCTOR_CACHE_DIR), which
+# gives the 5.3e-3 an AVX2-only EPYC measured; AMX is what cac56c5 recorded (2026-12-03, the Intel Xeon with AMX).
 FP32 = 1e-4
+TWO_ULPS = 2**-7  # two bf16 ulps of a tensor's largest entry, relative to it (one ulp is 2**-8 of it at worst)
 FULL, LORA = 24, 8  # tied: the head is the embedding; LoRA on q/v of 2 layers: A and B of 4 modules
 REJECTED = "Expected to mark a variable ready only once"
 
@@ -41,6 +45,7 @@ HAS_PEFT = _installed("peft")
 class Case(NamedTuple):
     params: int  # every parameter that should get a gradient
     bf16: dict | None = None  # bf16 weights: the bound against each reference ("fused", "off"), else fp32 (FP32)
+    worst: dict | None = None  # bf16: the worst error measured against each reference over the CPU kinds above
     off_differs: str = ""  # why TRL's Liger path differs from Liger-off by design (its TRL issue), if it does
     peft: bool = False  # needs peft (LoRA, a PeftModel): skipped without it, the other configurations still run
     path: str = "one-pass"  # what our loss ran (``last_path``), with
@@ -52,8 +57,9 @@ class Case(NamedTuple):
 
 TWO_PASS = "two-pass: one_pass=False"
 CASES: dict[str, Case] = {
-    # routed under autocast: TRL's fp32 reference runs bf16 GEMMs, as Liger-off's does (before autocast: 7.3e-3 off)
-    "dpo-bf16": Case(FULL, bf16={"fused": 5e-3, "off": FP32}),  # measured 2.6e-3, 0
+    # routed under autocast: TRL's fp32 reference runs bf16 GEMMs, as Liger-off's does (before autocast: 7.3e-3 off);
+    # vs fused: 5.29e-3 / 2.65e-3 / 2.6e-3 (AVX2 only / AVX-512 BF16 / AMX), vs off: 0 on each
+    "dpo-bf16": Case(FULL, bf16={"fused": 1.1e-2, "off": FP32}, worst={"fused": 5.29e-3, "off": 0.0}),
     "dpo-lora": Case(LORA, peft=True),
     "dpo-lora-gc": Case(LORA, peft=True),
     "dpo-lora-head": Case(LORA + 1, peft=True),  # modules_to_save: a trainable copy of lm_head
@@ -67,13 +73,17 @@ CASES: dict[str, Case] = {
     # LIGER_DDP_PATCH_LOSS=token_chunk_size=1: every pair / row is longer than a chunk (one pass, pending sums)
     "dpo-long-pairs": Case(FULL, chunk=1),
     "kto-long-rows": Case(FULL, chunk=1),
-    # one rounding of the bf16 weight gradient per 1-token chunk: measured 1.1e-2, 1.2e-2
-    "dpo-bf16-long-pairs": Case(FULL, bf16={"fused": 2e-2, "off": 2.2e-2}, chunk=1),
+    # one rounding of the bf16 weight gradient per 1-token chunk: vs fused 1.20e-2 / 1.17e-2 / 1.1e-2, vs off
+    # 1.20e-2 / 1.17e-2 / 1.2e-2 (AVX2 only / AVX-512 BF16 / AMX)
+    "dpo-bf16-long-pairs": Case(
+        FULL, bf16={"fused": 2.4e-2, "off": 2.4e-2}, worst={"fused": 1.2e-2, "off": 1.2e-2}, chunk=1
+    ),
     "dpo-two-pass": Case(FULL, path=TWO_PASS, chunk=3),  # LIGER_DDP_PATCH_LOSS=one_pass=0,token_chunk_size=3
     "kto-lora": Case(
         LORA, peft=True, off_differs="TRL #7063: 1.12's KTO Liger path with PEFT and no ref_model ignores the reference"
     ),
-    "kto-bf16": Case(FULL, bf16={"fused": 8e-3, "off": FP32}),  # measured 4.3e-3, 0
+    # vs fused: 4.35e-3 / 4.35e-3 / 4.3e-3 (AVX2 only / AVX-512 BF16 / AMX), vs off: 0 on each
+    "kto-bf16": Case(FULL, bf16={"fused": 9e-3, "off": FP32}, worst={"fused": 4.35e-3, "off": 0.0}),
     "kto-gc": Case(FULL),
     "kto-peft-model": Case(
         LORA, peft=True, off_differs="TRL #7063: 1.12's KTO Liger path with PEFT and no ref_model ignores the reference"
@@ -218,8 +228,9 @@ def test_bf16_weights_log_the_values_of_trls_liger_loss(launches, config):
 
 def test_table(launches, capsys):
     """The numbers for the closing note (run with -s to see them), and what they must say: every configuration in
-    sync with 0 differing tensors where the control differs, and each bf16 bound at most 2x the error measured
-    against its reference (FP32 where that is 0): a bound that has drifted loose would let a regression through."""
+    sync with 0 differing tensors where the control differs, and each bf16 bound at most 2x the worst error measured
+    against its reference on the CPU kinds we know or here, or two bf16 ulps (FP32 where every kind measured 0): a
+    bound that has drifted loose would let a regression through."""
     out, patched, unpatched = launches
     rows = [f"{'config':<24} {'params':>6} {'differing':>9} {'no pkg':>7} {'vs fused':>9} {'vs off':>9}  note"]
     loose = []
@@ -228,8 +239,10 @@ def test_table(launches, capsys):
         errors = {ref: distance(out, config, ref) for ref in ("fused", "off")}
         assert (ours["differing"], control["differing"] > 0) == (0, True), (config, ours, control)
         for ref, bound in (case.bf16 or {}).items():
-            if not errors[ref] <= bound <= max(2 * errors[ref], FP32):
-                loose.append(f"{config} vs {ref}: bound {bound:.1e}, measured {errors[ref]:.1e}")
+            worst = max(case.worst[ref], errors[ref])
+            tight = FP32 if worst == 0 else max(2.1 * worst, TWO_ULPS)  # 2.1: the worst is recorded to 3 digits
+            if not errors[ref] <= bound <= tight:
+                loose.append(f"{config} vs {ref}: bound {bound:.1e}, measured {errors[ref]:.1e}, worst {worst:.1e}")
         rows.append(
             f"{config:<24} {ours['params']:>6} {ours['differing']:>9} {control['differing']:>7} "
             f"{errors['fused']:>9.1e} {errors['off']:>9.1e}  {'bf16' if case.bf16 else 'fp32'} {case.off_differs}"
