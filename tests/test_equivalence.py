@@ -19,8 +19,13 @@ from harness import run_probe
 pytestmark = pytest.mark.ddp
 
 TOL = 1e-4  # of the largest weight change; patched runs reach ~3e-7 (fp32), Liger without the package ~0.4
-BF16_TOL = 1e-3  # bf16=True vs Liger-off, both under autocast: measured 0 (DPO), 5.1e-4 (KTO); no package ~0.4
-FUSED_MIXED_TOL = 2.5e-3  # bf16=True, ours vs TRL's fused loss, both under the routed autocast: measured 1.26e-3
+# bf16=True, measured per CPU kind as AVX2 only (emulated, see CONTRIBUTING) / AVX-512 BF16 / the 2026-12-06 record
+# (issue 38 item 8). vs Liger-off, both under autocast, the same GEMMs: DPO 0 / 0 / 0, KTO 0 / 5.3e-5 / 5.1e-4 (not
+# bf16 rounding: 2x the worst); no package ~0.4
+BF16_TOL = 1e-3
+# ours vs TRL's fused loss under the routed autocast, two loss implementations: DPO 1.10e-3 / 1.27e-3 / 1.26e-3, KTO
+# 7.4e-4 / 7.5e-4; 2x the worst is below two bf16 ulps of the largest weight change (2**-7 of it), so two ulps
+FUSED_MIXED_TOL = 2**-7
 MIXED = ("dpo-bf16-mixed", "kto-bf16-mixed")
 EVAL_TOL = 1e-5  # relative, on eval loss, rewards and log-probs: patched ~1e-6, Liger without the package >= 9e-3
 CONFIGS = {"dpo": TOL, "kto": TOL, "dpo-bf16-mixed": BF16_TOL, "kto-bf16-mixed": BF16_TOL}
@@ -154,10 +159,12 @@ def test_bf16_stays_in_sync(tiny_small):
 
 # -- bf16=True with fp32 weights: the routed Liger path runs under the Trainer's autocast, as TRL 1.14's fix does -----
 # First synchronised gradients (rank 0, after the all-reduce), max |a - b| / max |b| per tensor; bounds about 2x the
-# error measured (2026-12-06: 0 and 0 against Liger-off, bitwise at this size; 8.6e-3 DPO and 1.07e-2 KTO against the
-# fp32 run, which is bf16 rounding itself: Liger-off's mixed run is exactly as far from fp32).
+# worst error measured as AVX2 only / AVX-512 BF16 / the 2026-12-06 record: against Liger-off 0 / 0 / 0 for DPO and
+# KTO (bitwise at this size, on every kind: not a rounding bound); against the fp32 run, which is bf16 rounding
+# itself (Liger-off's mixed run is exactly as far from fp32), DPO 8.9e-3 / 8.6e-3 / 8.6e-3, KTO 1.01e-2 / 1.07e-2 /
+# 1.07e-2.
 MIXED_VS_OFF = 1e-3  # the autocast=0 control (TRL 1.9-1.13's precision) measured 8.5e-3 / 1.06e-2 away: it fails this
-MIXED_VS_FP32 = {"dpo": 1.7e-2, "kto": 2.2e-2}
+MIXED_VS_FP32 = {"dpo": 1.8e-2, "kto": 2.2e-2}
 
 
 def first_gradients(out, label: str, config: str) -> dict:
