@@ -108,6 +108,7 @@ ARMS = {
     "unpatched (broken)": "unpatched",
     "before autocast": "patched_noautocast",
     "KL logits (before)": "patched_fullkl",
+    "one_pass=1": "patched_onepass",
 }
 RATIOS = {
     "patched/off time": "time/off",
@@ -118,6 +119,8 @@ RATIOS = {
     "patched/before KL": "time/patched_fullkl",
     "patched/before KL mem": "mem/patched_fullkl",
     "patched/TRL 1.14 CPU s": "cpu/trl114",
+    "patched/one_pass=1 time": "time/patched_onepass",
+    "patched/one_pass=1 mem": "mem/patched_onepass",
 }
 STEP_KEYS = ("dtype", "trainer", "prompt", "L", "measured", "raw")
 ARM_CELL = re.compile(r"\**([\d.,]+)\** \(([\d.,]+), ([\d.,]+)\)")
