@@ -133,8 +133,9 @@ def test_a_gated_record_follows_its_gate_not_disable_all(fakelib, monkeypatch):
 def test_the_gradient_check_record_says_which_check_runs():
     from liger_ddp_patch.patches.verifier import gate
 
-    assert gate(Settings()) == (None, "LIGER_DDP_PATCH_VERIFY unset: once, at the first optimizer step under DDP, a "
-                                      "WARNING if the ranks' gradients differ")  # fmt: skip
+    assert gate(Settings()) == (None, "LIGER_DDP_PATCH_VERIFY unset: for a Liger trainer under "
+                                      "DistributedDataParallel, at the first optimizer step and at every checkpoint, "
+                                      "a WARNING if the ranks differ")  # fmt: skip
     assert gate(Settings(strict=True))[1].endswith("raising GradientDesyncError if the ranks' gradients differ "
                                                    "(LIGER_DDP_PATCH_STRICT=1)")  # fmt: skip
     assert gate(Settings(check_first=False)) == ("disabled by LIGER_DDP_PATCH_VERIFY=0", "")
