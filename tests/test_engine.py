@@ -136,13 +136,14 @@ def test_the_gradient_check_record_says_which_check_runs():
     assert gate(Settings()) == (None, "LIGER_DDP_PATCH_VERIFY unset: for a Liger trainer under "
                                       "DistributedDataParallel, at the first optimizer step and at every checkpoint, "
                                       "a WARNING if the ranks differ")  # fmt: skip
-    assert gate(Settings(strict=True))[1].endswith("raising GradientDesyncError if the ranks' gradients differ "
-                                                   "(LIGER_DDP_PATCH_STRICT=1)")  # fmt: skip
+    assert gate(Settings(strict=True))[1].endswith(
+        "raising GradientDesyncError if the ranks differ (LIGER_DDP_PATCH_STRICT=1)"
+    )
     assert gate(Settings(check_first=False)) == ("disabled by LIGER_DDP_PATCH_VERIFY=0", "")
     assert gate(Settings(disable_all=True))[0].startswith("disabled by LIGER_DDP_PATCH_DISABLE")
     every = (
-        "LIGER_DDP_PATCH_VERIFY=100: at the first optimizer step and every 100 after, raising GradientDesyncError if "
-        "the ranks' gradients differ"
+        "LIGER_DDP_PATCH_VERIFY=100: for a model under DistributedDataParallel, at the first optimizer step and every "
+        "100 after, and at every checkpoint, raising GradientDesyncError if the ranks differ"
     )
     for settings in (Settings(verify_every=100), Settings(verify_every=100, disable_all=True)):
         assert gate(settings) == (None, every)
