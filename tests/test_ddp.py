@@ -68,9 +68,13 @@ def test_patched_real_vocab_is_in_sync(tiny_real):
     assert runtime["kto_compute_loss"] == {
         "KTOTrainer": [ROUTED.format("LigerFusedLinearKTOLoss", "ChunkedKTOLoss") + ", KL log-probs chunked"]
     }
-    # one line, on rank 0 only, once per process (DPO ran first; KTO adds none), with logging never configured
+    # one line per trainer (DPO, then KTO in the same process: issue 38 item 6), on rank 0 only, with logging never
+    # configured
     announced = [line for line in result["log"].splitlines() if "under DistributedDataParallel" in line]
-    assert announced == [f"[default0]:{ANNOUNCED} (TRL #7245)"], announced
+    kto = "KTOTrainer under DistributedDataParallel: " + runtime["kto_compute_loss"]["KTOTrainer"][0]
+    assert announced == [f"[default0]:{ANNOUNCED} (TRL #7245)", f"[default0]:liger_ddp_patch: {kto} (TRL #7245)"], (
+        announced
+    )
 
 
 @pytest.mark.parametrize("trainer", ["dpo", "kto"])
