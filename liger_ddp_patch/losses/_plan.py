@@ -53,9 +53,10 @@ MAX_DEFAULT_CHUNK = 8192
 # Bytes the one-pass path may hold beyond what the two-pass path holds at its peak (issue 39): its long groups'
 # extra (V, H) sums and, where the GEMMs cast the weight (fp32 weights under autocast), the cast weight, both live
 # during the forward beside the weight gradient that pass already made.  CPU: 384 MiB, a cast of Qwen2.5-0.5B's
-# head to bf16 (0.25 GiB) fits and one fp32 sum of it (0.51 GiB) does not: measured on bench_step's rows, a held sum
-# put the step's peak 1.10-1.15x TRL 1.14's at L=2,048 (benchmarks/mem_head.py says where).  An accelerator:
-# 1/16 of its free memory at the call.
+# head to bf16 (0.25 GiB) fits and one fp32 sum of it (0.51 GiB) does not.  Measured (bench_step, mixed, 50 %
+# prompt, benchmarks/results/cpu-2026-12-07-held-budget): with the sum the step peaked 1.07-1.10x TRL 1.14's at
+# L=2,048, without it 0.99-1.01x, for 1.06-1.09x the CPU seconds; at L=512 the cast alone left it 1.00x.  Where
+# the peak sits: benchmarks/mem_head.py.  An accelerator: 1/16 of its free memory at the call.
 HELD_BUDGET_BYTES = {"cpu": 384 << 20}
 HELD_BUDGET_FREE_FRACTION = 16
 
