@@ -93,6 +93,20 @@ def test_every_weight_moves_as_with_trls_liger_loss(runs, config):
     assert gap <= bound, f"max |Δw_patched - Δw_trl_liger| = {gap:.2e} of the weight change"
 
 
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.startswith("kto")])
+def test_kto_s_kl_log_probs_really_ran_chunked(runs, config):
+    """The routed KTO call computes the KL rows' log-probs through the chunked head (the probe counts calls of
+    ``kl_logps.kl_logps``): the decision text says so either way, and its value equals TRL's (issue 38 item 9).
+    The fused arm is routed too; the runs without the package never call it."""
+    _, results = runs
+    for arm in ("liger", "fused"):
+        (run,) = [r for r in results["patched"]["results"] if (r["config"], r["arm"]) == (config, arm)]
+        assert run["loss_saw"].get("KL log-probs chunked", 0) >= 3, (arm, run["loss_saw"])  # 3 steps x policy, ref
+    for label in ("liger_off", "no_package"):
+        (run,) = [r for r in results[label]["results"] if r["config"] == config]
+        assert "KL log-probs chunked" not in run["loss_saw"], (label, run["loss_saw"])
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_control_without_the_package_misses_the_bounds(runs, config):
     out, _ = runs

@@ -189,7 +189,23 @@ def _watch_losses(seen: dict) -> object:
                 seen.setdefault(f"{name} chunk", module.last_chunk)
                 seen.setdefault(f"{name} sweep", getattr(module, "last_sweep", None))
 
-    return torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
+    handle = torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
+    kl = sys.modules.get("liger_ddp_patch.patches.kl_logps")  # imported where the package is
+    if kl is None:
+        return handle
+    chunked = kl.kl_logps
+
+    def spy(*args, **kwargs):  # the KL rows' log-probs through the chunked head: how often they really ran
+        seen["KL log-probs chunked"] = seen.get("KL log-probs chunked", 0) + 1
+        return chunked(*args, **kwargs)
+
+    class Undo:
+        def remove(self):
+            handle.remove()
+            kl.kl_logps = chunked
+
+    kl.kl_logps = spy
+    return Undo()
 
 
 def save_gradients(model: torch.nn.Module, path: str) -> dict:
