@@ -163,7 +163,7 @@ class GradientSyncVerifier(TrainerCallback):
             self.desync(named, bad, world, step, weights)
         elif covered:
             what = "weights" if weights else "gradients"
-            where = f"checkpoint-{step}" if weights else f"step {step}"
+            where = f"checkpoint-{step}" if weights else f"step {step}" if step is not None else "this step"
             level = logging.DEBUG if what in self._said else logging.INFO  # the first that held says so
             self._said.add(what)
             package_log.emit(
