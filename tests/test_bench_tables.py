@@ -319,6 +319,20 @@ def check_gpu_step(table, raw, out):
                     lambda r, k: r["trainer"] == k[0].lower() and r["arm"] == GPU_ARMS[k[1]], GPU_STEP)  # fmt: skip
 
 
+# ------------------------------------------------------------------------------------ bench_verify.py (printed)
+
+
+def check_verify_save(table, raw, out):
+    """The checkpoint check's row: the line under ``median save`` that bench_verify.py printed."""
+    lines = raw.read_text().splitlines()
+    (at,) = [i for i, line in enumerate(lines) if line.strip().startswith("median save")]
+    save, weights, share = re.findall(r"[\d.]+", lines[at + 1])[:3]
+    ((line, cells),) = table.rows
+    for name, cell, value in zip(table.header, cells, (save, weights, share)):
+        if plain(cell).replace(" ", "").removesuffix("ms").removesuffix("%") != value:
+            out.cell(table, line, "checkpoint", name, cell, raw, value)
+
+
 # ----------------------------------------------------------------------------------------------------- tests
 
 # (first header cells, the file a folder link means, checker); the step tables are checked row by row
@@ -328,6 +342,7 @@ CHECKERS = (
     (("prompt", "arm", "median ms"), "gpu_check.json", check_gpu_loss),
     (("loss", "prompt", "ours ms"), "gpu_profile.json", check_gpu_floor),
     (("trainer", "arm", "s/step"), "gpu_check.json", check_gpu_step),
+    (("median save (model + optimizer state)",), None, check_verify_save),
 )
 
 
