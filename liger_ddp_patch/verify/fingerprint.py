@@ -8,9 +8,9 @@ of the parameter's L1 norm (of the sum of squares, for that column). A real desy
 one that missed a micro-batch) differs by O(1e-3..1) of the norm: four orders of magnitude above the tolerance.
 
 Weights (at a checkpoint). DDP broadcasts them at the start and every rank applies the same update to the same
-gradients, so they stay bitwise equal: compared exactly, on the tensor's own-precision sum (one read, as fast as
-the memory allows: a float64 pass would cost a checkpoint save ~50 % more on CPU) and 64 fixed samples. A desync moves
-every element that receives a gradient, far above the sum's last bit.
+gradients, so they stay bitwise equal: compared exactly, on the tensor's own-precision sum (one read at memory speed;
+the gradients' float64 upcast reads ~20x slower on CPU). A desync moves every element that receives a gradient, far
+above the sum's last bit.
 
 A tensor that cannot be read the same way on every rank (sparse, a ``DTensor`` shard, meta, a tensor subclass,
 anything that raises) is marked *not compared*, never guessed at. ``NaN`` equals ``NaN``; ``inf`` the same ``inf``.
@@ -95,26 +95,45 @@ def fingerprint(grad: torch.Tensor | None) -> torch.Tensor:
         return _skipped()
 
 
-def weight_fingerprint(weight: torch.Tensor) -> torch.Tensor:
-    """``[COLUMNS]`` float64 for an exact comparison: present, own-precision sum, 0, 0, weighted fixed-index dot."""
+def _own_sum(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight's sum in its own precision (fp32 for half types), or ``None``: not readable alike on every rank."""
     try:
         if not readable(weight):
-            return _skipped()
+            return None
         flat = weight.detach().reshape(-1)
-        if not flat.numel():
-            return torch.tensor([GRAD, 0, 0, 0, 0], dtype=torch.float64)
-        total = flat.sum(dtype=torch.float32) if flat.element_size() < 4 else flat.sum()
-        return _row(total, None, None, _sampled_dot(flat))
+        return flat.sum(dtype=torch.float32) if flat.element_size() < 4 else flat.sum()
     except Exception:
-        return _skipped()
+        return None
+
+
+def weight_table(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[len(weights), COLUMNS]`` float64 on the CPU, for an exact comparison: present and the own-precision sum.
+
+    One read of each weight and one small copy for them all: at a checkpoint the sums are the cost (a weight that
+    moved on one rank moves its sum; permutations, which the gradients' sampled dot is for, are not how weights
+    drift)."""
+    sums = [_own_sum(w) for w in weights]
+    out = torch.zeros(len(weights), COLUMNS, dtype=torch.float64)
+    read = [i for i, s in enumerate(sums) if s is not None]
+    out[:, PRESENT] = SKIPPED
+    if read:
+        out[read, PRESENT] = GRAD
+        out[read, SUM] = torch.stack([sums[i].to(torch.float64) for i in read]).cpu()
+    return out
+
+
+def weight_fingerprint(weight: torch.Tensor) -> torch.Tensor:
+    """One weight's row of :func:`weight_table`."""
+    return weight_table([weight])[0]
 
 
 def table(tensors: Sequence[torch.Tensor | None], device: torch.device | str = "cpu", weights: bool = False):
-    """``[len(tensors), COLUMNS]`` float64 on ``device`` (one small copy per row, no host synchronisation)."""
+    """``[len(tensors), COLUMNS]`` float64 on ``device`` (gradients: a small copy per row, no host synchronisation)."""
+    if weights:
+        return weight_table(tensors).to(device)
     if not tensors:
         return torch.zeros(0, COLUMNS, dtype=torch.float64, device=device)
-    row = weight_fingerprint if weights else fingerprint
-    return torch.stack([row(t).to(device) for t in tensors])
+    return torch.stack([fingerprint(t).to(device) for t in tensors])
 
 
 def fingerprints(grads: Sequence[torch.Tensor | None], device: torch.device | str = "cpu") -> torch.Tensor:
