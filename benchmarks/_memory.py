@@ -128,3 +128,18 @@ def render(mem: dict, gib: float = 2**30, top: int = 10) -> list[str]:
     if mem.get("at_peak"):
         lines.append(f"        peak reached in: {' <- '.join(mem['at_peak'][:4])}")
     return lines
+
+
+def cpu_allocations(prof) -> list:
+    """Every allocation and free a ``torch.profiler.profile(profile_memory=True)`` saw, in time order (CPU too: the
+    profiler's events, where the allocator's trace above is CUDA only). Each has ``extra_fields`` with ``alloc_size``
+    (negative for a free) and ``total_allocated``."""
+    from torch._C._profiler import _EventType
+
+    def walk(events):
+        for event in events:
+            yield event
+            yield from walk(event.children)
+
+    found = (e for e in walk(prof.profiler.kineto_results.experimental_event_tree()) if e.tag == _EventType.Allocation)
+    return sorted(found, key=lambda e: e.start_time_ns)

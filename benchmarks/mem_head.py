@@ -144,15 +144,9 @@ def _site(e) -> str:
 
 
 def replay(prof, top: int = 8) -> dict:
-    from torch._C._profiler import _EventType
+    from _memory import cpu_allocations
 
-    def walk(es):
-        for e in es:
-            yield e
-            yield from walk(e.children)
-
-    events = sorted((e for e in walk(prof.profiler.kineto_results.experimental_event_tree())
-                     if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)  # fmt: skip
+    events = cpu_allocations(prof)
     if not events:
         return dict(peak=0, sites=[])
     f0 = events[0].extra_fields

@@ -10,13 +10,18 @@ are live at once -- not read from the loss's own accounting, which is checked ag
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from _loss_cases import call_kto, leaf_copies, make_inputs
-from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss, _plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _memory import cpu_allocations  # noqa: E402  (the replay mem_head.py uses too)
 
 V, H, L, CHUNK = 512, 24, 24, 8  # rows of ~20 loss tokens: every pair and row is longer than a chunk
 
@@ -26,14 +31,7 @@ def _most_vh_blocks_live(run) -> int:
     size = V * H * 4
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-
-    def walk(es):
-        for e in es:
-            yield e
-            yield from walk(e.children)
-
-    events = sorted((e for e in walk(prof.profiler.kineto_results.experimental_event_tree())
-                     if e.tag == _EventType.Allocation), key=lambda e: e.start_time_ns)  # fmt: skip
+    events = cpu_allocations(prof)
     live, most = set(), 0
     for e in events:
         f = e.extra_fields
