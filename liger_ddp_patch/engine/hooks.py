@@ -219,11 +219,10 @@ class Engine:
             if mine is None or decision not in mine.get(name, ()):
                 with self._lock:
                     try:
-                        mine = self._by_owner.setdefault(owner, {})
+                        said = self._by_owner.setdefault(owner, {}).setdefault(name, [])
                     except TypeError:  # takes no weak reference: kept by its class only
-                        mine = {}
-                    said = mine.setdefault(name, [])
-                    if decision not in said:
+                        said = None
+                    if said is not None and decision not in said:
                         said.append(decision)
         seen = self._status[name].runtime.get(key)
         if seen is not None and decision in seen:

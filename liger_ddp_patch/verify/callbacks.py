@@ -181,8 +181,9 @@ class GradientSyncVerifier(TrainerCallback):
         ranks = sorted({r for rs in bad.values() for r in rs})
         params = [names[i] for i in sorted(bad)]
         if weights:
-            message = describe(names, bad, world, step, what="Weights", hint=WEIGHTS_HINT)
-            message = message.replace(f"at optimizer step {step}", f"at checkpoint-{step}")
+            message = describe(
+                names, bad, world, step, what="Weights", hint=WEIGHTS_HINT, where=f"at checkpoint-{step}"
+            )
             raise WeightDesyncError(message, params, ranks, step)
         raise GradientDesyncError(describe(names, bad, world, step), params, ranks, step)
 

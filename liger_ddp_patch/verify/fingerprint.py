@@ -185,12 +185,14 @@ def describe(
     first: int = 5,
     what: str = "Gradients",
     hint: str = HINT,
+    where: str | None = None,
 ) -> str:
-    """The message for :func:`disagreements`' answer."""
+    """The message for :func:`disagreements`' answer (``where``: instead of "at optimizer step N")."""
     listed = [names[i] for i in sorted(bad)]
     ranks = sorted({r for rs in bad.values() for r in rs})
     shown = ", ".join(listed[:first]) + (f" (+{len(listed) - first} more)" if len(listed) > first else "")
-    where = f"at optimizer step {step}" if step is not None else "at this optimizer step"
+    if where is None:
+        where = f"at optimizer step {step}" if step is not None else "at this optimizer step"
     return (
         f"{what} are NOT synchronised across the {world} data-parallel ranks {where}: "
         f"{len(listed)} of {len(names)} parameters differ between rank 0 and rank{'s' if len(ranks) > 1 else ''} "
