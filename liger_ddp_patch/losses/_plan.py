@@ -3,8 +3,9 @@
 Memory: one budget (:func:`logits_budget_bytes`: 128 MiB on CPU, 1 GiB on an accelerator) bounds every
 temporary: the default token chunk is ``budget / (V * bytes per logit)`` (on CPU in half precision the half block
 alone, its sweep on an fp32 tile of ``_tiles.TILE_BYTES`` taken from the budget), and in half precision the two-pass
-backward walks the vocabulary in blocks of at most ``V / 4`` rows and ``budget / (4 H)`` rows
-(:func:`vocab_block_rows`), so that the fp32 accumulator of the weight gradient is one ``(block, H)`` tile.
+backward walks the vocabulary in blocks of at most ``V / 4`` rows whose temporaries (the fp32 accumulator of the
+weight gradient, the cast weight rows, the product and its fp32 copy) fit the budget together
+(:func:`vocab_block_rows`).
 
 Precision: the GEMMs run in the *compute dtype*: the autocast dtype when ``torch.autocast`` is on for the inputs'
 device (as autocast would run ``F.linear``; fp64 inputs are left alone, as autocast does), else the inputs' dtype.
@@ -168,9 +169,9 @@ def resolve_token_chunk_size(
     return int(token_chunk_size)
 
 
-def vocab_block_rows(vocab_size: int, hidden_size: int, budget_bytes: int) -> int:
-    """Rows of the vocabulary per backward block in half precision: <= V/4 and <= budget / (4 H)."""
-    return max(1, min(-(-vocab_size // 4), budget_bytes // (4 * max(1, hidden_size))))
+def vocab_block_rows(vocab_size: int, row_bytes: int, budget_bytes: int) -> int:
+    """Rows of the vocabulary per backward block: <= V/4, and what one block holds (``row_bytes`` a row) <= budget."""
+    return max(1, min(-(-vocab_size // 4), budget_bytes // max(1, row_bytes)))
 
 
 SWEEPS = ("eager", "triton")
@@ -247,7 +248,14 @@ class Plan(NamedTuple):
 
     def block_rows(self, weight: torch.Tensor) -> int:
         """Vocabulary rows per block where the weight gradient needs an fp32 tile (half precision, or a weight of
-        another dtype than the GEMMs'); the whole vocabulary otherwise."""
+        another dtype than the GEMMs'); the whole vocabulary otherwise.  A block's temporaries together fit the
+        budget: its fp32 tile, its weight rows cast to the compute dtype (fp32 weights under autocast) and, where the
+        GEMM cannot write fp32, the product in the compute dtype and the fp32 copy ``tile.add_(product)`` makes of it
+        on CPU (issue 39: a tile sized alone to the budget held 2.5x the budget and put the mixed-precision step's peak
+        1.01x TRL 1.14's)."""
         V, H = weight.shape
-        blocked = self.cdtype.itemsize < self.mdtype.itemsize or weight.dtype != self.cdtype
-        return vocab_block_rows(V, H, self.budget) if blocked else V
+        if self.cdtype.itemsize == self.mdtype.itemsize and weight.dtype == self.cdtype:
+            return V
+        half, full = self.cdtype.itemsize, self.mdtype.itemsize
+        row = full + (half if weight.dtype != self.cdtype else 0) + (0 if self.fast else half + full)
+        return vocab_block_rows(V, row * H, self.budget)
