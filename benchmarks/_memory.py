@@ -1,4 +1,5 @@
-"""What is live at a step's memory peak, by who allocated it (CUDA): the allocator's own trace, replayed.
+"""What is live at a step's memory peak, by who allocated it: the CUDA allocator's own trace, or on CPU the profiler's
+allocation events, replayed.
 
 Issue #22's H200 step left a question open: the patched step peaked at 16.7 GiB per rank where TRL 1.14's peaked
 at 11.8, more than the loss's own buffers explain.  ``torch.cuda.max_memory_allocated`` says how much, not what.
@@ -8,7 +9,9 @@ snapshot and :func:`peak_sites` replays its alloc / free events from the bytes a
 what is live there by *site*: the innermost frame in a library of the step (the package, TRL, transformers, PEFT,
 Accelerate), else the innermost frame at all, else "no Python frame" (autograd's backward runs in C++).
 
-Only on CUDA (the allocator's trace; CPU has none): elsewhere :func:`record` returns None and the summary says so.
+On CPU (issue 39: which phase of a DDP step sets its peak RSS) :func:`record` starts ``torch.profiler`` with
+``profile_memory`` instead, and :func:`cpu_replay` replays its events: the peak over what was live when it started,
+and what is live there by allocating op and innermost frame of a library (slow: the watched step runs 2-3x longer).
 Never fatal: a failure becomes the summary's ``error``, and the step it watches is not timed anyway.
 """
 
@@ -81,13 +84,17 @@ def peak_sites(events: list[dict], base: int, top: int = 15) -> dict:
 
 
 def record(cuda: bool, max_entries: int = 500_000):
-    """Start the allocator's history on the current CUDA device: the bytes live now (the replay's base), or None
-    (not CUDA, or the history could not start: :func:`summary` then says why)."""
-    if not cuda:
-        return None
+    """Start the allocator's history on the current CUDA device (on CPU: the profiler, see :func:`cpu_replay`): the
+    bytes live now (the replay's base), or an ``error`` (:func:`summary` then says why)."""
     import torch
 
     try:
+        if not cuda:
+            from torch.profiler import ProfilerActivity, profile
+
+            prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True)
+            prof.__enter__()
+            return dict(prof=prof)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python", max_entries=max_entries)
@@ -97,14 +104,15 @@ def record(cuda: bool, max_entries: int = 500_000):
 
 
 def summary(started, cuda: bool) -> dict:
-    """Stop the history started by :func:`record` and replay it (see :func:`peak_sites`)."""
-    if not cuda:
-        return dict(error="not recorded: the allocator's trace is CUDA only")
+    """Stop the history started by :func:`record` and replay it (see :func:`peak_sites`, :func:`cpu_replay`)."""
     if started is None or "error" in started:
         return dict(error=(started or {}).get("error", "not recorded"))
     import torch
 
     try:
+        if not cuda:
+            started["prof"].__exit__(None, None, None)
+            return cpu_replay(started["prof"], LIBRARIES)
         torch.cuda.synchronize()
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -122,8 +130,8 @@ def render(mem: dict, gib: float = 2**30, top: int = 10) -> list[str]:
     if "error" in mem:
         return [f"      memory: {mem['error'].strip().splitlines()[-1][:200]}"]
     cut = ", trace truncated" if mem.get("truncated") else ""
-    lines = [f"      memory: replayed peak {mem['peak'] / gib:.2f} GiB (max_memory_allocated "
-             f"{mem['max_allocated'] / gib:.2f}{cut}); live there, by site:"]  # fmt: skip
+    allocated = f"max_memory_allocated {mem['max_allocated'] / gib:.2f}" if "max_allocated" in mem else "CPU"
+    lines = [f"      memory: replayed peak {mem['peak'] / gib:.2f} GiB ({allocated}{cut}); live there, by site:"]
     lines += [f"        {s['bytes'] / gib:7.2f} GiB  x{s['blocks']:<5} {s['site']}" for s in mem["sites"][:top]]
     if mem.get("at_peak"):
         lines.append(f"        peak reached in: {' <- '.join(mem['at_peak'][:4])}")
@@ -143,3 +151,52 @@ def cpu_allocations(prof) -> list:
 
     found = (e for e in walk(prof.profiler.kineto_results.experimental_event_tree()) if e.tag == _EventType.Allocation)
     return sorted(found, key=lambda e: e.start_time_ns)
+
+
+def _cpu_site(event, libraries) -> str:
+    """The allocating op and the innermost frame above it in one of ``libraries`` (path fragments)."""
+    op, frame = None, None
+    p = event.parent
+    while p is not None:
+        try:
+            name = p.name
+        except UnicodeDecodeError:  # a frame name the profiler stored cut mid-character
+            name = "?"
+        if op is None and name.startswith("aten::"):
+            op = name
+        if ".py(" in name and any(lib in name for lib in libraries):
+            frame = name.split("/")[-1]
+            break
+        p = p.parent
+    return f"{op or '?'} @ {frame or '-'}"
+
+
+def cpu_replay(prof, libraries=LIBRARIES, top: int = 8) -> dict:
+    """A finished ``profile_memory`` profile's peak over the bytes live when it started (``peak``, what
+    :func:`render` prints; ``base``: those bytes, as the profiler counts them), the site at the peak (``at``) and
+    the ``top`` sites live there (``sites``: ``site``, ``bytes``, ``blocks``)."""
+    events = cpu_allocations(prof)
+    if not events:
+        return dict(peak=0, base=0, at="-", sites=[])
+    f0 = events[0].extra_fields
+    base = f0.total_allocated - f0.alloc_size
+    peak, at = base, -1
+    for i, e in enumerate(events):
+        if e.extra_fields.total_allocated > peak:
+            peak, at = e.extra_fields.total_allocated, i
+    live: dict = {}
+    for e in events[: at + 1]:
+        f = e.extra_fields
+        if f.alloc_size > 0:
+            live[f.ptr] = (f.alloc_size, _cpu_site(e, libraries))
+        else:
+            live.pop(f.ptr, None)
+    by: dict = {}
+    for size, where in live.values():
+        entry = by.setdefault(where, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    sites = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+    where = _cpu_site(events[at], libraries) if at >= 0 else "-"
+    return dict(peak=peak - base, base=base, at=where, at_peak=[where],
+                sites=[dict(site=k, bytes=v[0], blocks=v[1]) for k, v in sites])  # fmt: skip

@@ -125,53 +125,6 @@ def _trl114(policy, ref, ids, labels):
     return None
 
 
-def _site(e) -> str:
-    """The allocating op and the innermost frame of this package or this script above it."""
-    op, frame = None, None
-    p = e.parent
-    while p is not None:
-        try:
-            name = p.name
-        except UnicodeDecodeError:  # a frame name the profiler stored cut mid-character
-            name = "?"
-        if op is None and name.startswith("aten::"):
-            op = name
-        if ".py(" in name and ("liger_ddp_patch" in name or "mem_head" in name or "trl/" in name):
-            frame = name.split("/")[-1]
-            break
-        p = p.parent
-    return f"{op or '?'} @ {frame or '-'}"
-
-
-def replay(prof, top: int = 8) -> dict:
-    from _memory import cpu_allocations
-
-    events = cpu_allocations(prof)
-    if not events:
-        return dict(peak=0, sites=[])
-    f0 = events[0].extra_fields
-    base = f0.total_allocated - f0.alloc_size
-    peak, at = base, -1
-    for i, e in enumerate(events):
-        if e.extra_fields.total_allocated > peak:
-            peak, at = e.extra_fields.total_allocated, i
-    live: dict = {}
-    for e in events[: at + 1]:
-        f = e.extra_fields
-        if f.alloc_size > 0:
-            live[f.ptr] = (f.alloc_size, _site(e))
-        else:
-            live.pop(f.ptr, None)
-    by: dict = {}
-    for size, where in live.values():
-        by.setdefault(where, [0, 0])
-        by[where][0] += size
-        by[where][1] += 1
-    sites = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
-    where = _site(events[at]) if at >= 0 else "-"
-    return dict(peak=peak - base, at=where, sites=[dict(site=k, bytes=v[0], n=v[1]) for k, v in sites])
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arms", default=",".join(ARMS))
@@ -183,6 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import torch
+    from _memory import cpu_replay
     from torch.profiler import ProfilerActivity, profile
 
     torch.set_num_threads(args.threads)
@@ -205,7 +159,7 @@ def main(argv=None) -> int:
                 with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
                     fn = step(arm, kind, policy, ref, ids, labels)
                 wall = time.perf_counter() - t0
-                r = replay(prof)
+                r = cpu_replay(prof, ("liger_ddp_patch", "mem_head", "trl/"))
                 held = getattr(fn, "last_held", None) or {}
                 row = dict(arm=arm, trainer=kind, L=L, prompt=args.prompt, peak_gib=r["peak"] / GIB, wall_s=wall,
                            path=getattr(fn, "last_path", None), held=held, sites=r["sites"], at=r["at"])  # fmt: skip
@@ -214,7 +168,7 @@ def main(argv=None) -> int:
                 print(f"{kind} L={L} {arm:10} peak over weights {row['peak_gib']:.3f} GiB  held sums {vh:.3f} GiB  "
                       f"({wall:.1f} s profiled) path={row['path']}  peak in {r['at']}", flush=True)  # fmt: skip
                 for s in r["sites"][:6]:
-                    print(f"      {s['bytes'] / GIB:7.3f} GiB x{s['n']:<4} {s['site']}")
+                    print(f"      {s['bytes'] / GIB:7.3f} GiB x{s['blocks']:<4} {s['site']}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

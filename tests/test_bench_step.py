@@ -203,3 +203,22 @@ def test_memory_replay_finds_the_peak_and_who_holds_it():
     lines = _memory.render(dict(got, max_allocated=200))
     assert "replayed peak" in lines[0] and any("_onepass.py:__init__" in line for line in lines)
     assert _memory.summary(None, cuda=False)["error"].startswith("not recorded")
+
+
+def test_cpu_memory_replay_peaks_where_the_most_is_live():
+    """On CPU ``_memory.record`` / ``summary`` replay the profiler's allocation events (issue 39: which phase sets a
+    DDP step's peak): 4 + 8 MiB live at once is the peak, not the 4 MiB allocated after both were freed."""
+    import _memory
+    import torch
+
+    started = _memory.record(cuda=False)
+    a = torch.ones(1 << 20)  # 4 MiB
+    b = torch.ones(2 << 20)  # 8 MiB
+    del a, b
+    c = torch.ones(1 << 20)
+    del c
+    got = _memory.summary(started, cuda=False)
+    mib = 1 << 20
+    assert 12 * mib <= got["peak"] < 12 * mib + mib // 4, got
+    assert got["sites"][0]["bytes"] == 12 * mib and got["sites"][0]["blocks"] == 2, got["sites"]
+    assert "replayed peak 0.01 GiB (CPU)" in _memory.render(got)[0]
