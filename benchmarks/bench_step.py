@@ -509,14 +509,16 @@ def render(table: list[dict], arms: list[str], header: str) -> str:
 
 
 def held_cell(held: dict | None) -> str:
-    """The (V, H) sums' GiB the loss held beside the weight gradient and the path it took: ``0.51 (one-pass)``, or
+    """The (V, H) sums' GiB the loss held beside the weight gradient and the path it took: ``0.51 (one-pass)``,
+    ``0.00 (one-pass, wider chunk: +0.02)`` where a chunk widened to the longest row replaced the sums, or
     ``0.00 (two-pass; one pass: 0.51)`` where the budget sent it to the two-pass path."""
     if not held:
         return "-"
     path, would = str(held.get("path") or "?"), held.get("vh_sums_bytes", 0) / GIB
+    wider = f", wider chunk: +{held['chunk_bytes'] / GIB:.2f}" if held.get("chunk_bytes") else ""
     if path == "one-pass":
-        return f"{would:.2f} (one-pass)"
-    return f"0.00 (two-pass; one pass: {would:.2f})" if "would hold" in path else f"0.00 ({path})"
+        return f"{would:.2f} (one-pass{wider})"
+    return f"0.00 (two-pass; one pass: {would:.2f}{wider})" if "would hold" in path else f"0.00 ({path})"
 
 
 def verdict(row: dict) -> str:

@@ -118,6 +118,8 @@ def test_the_held_sums_are_broken_out_per_arm():
     cells = {arm: bench_step.held_cell(bench_step.summarise(arm, [r])["held"]) for arm, r in launches.items()}
     assert cells == {"patched": "0.00 (two-pass; one pass: 0.50)", "patched_onepass": "0.50 (one-pass)"}
     assert bench_step.held_cell(None) == "-"  # an arm without the package's loss
+    wide = dict(one, vh_sums=0, vh_sums_bytes=0, chunk_bytes=0.02 * GIB)  # a chunk widened to the longest row
+    assert bench_step.held_cell(wide) == "0.00 (one-pass, wider chunk: +0.02)"
     table = [dict(trainer="dpo", dtype="mixed", prompt=0.5, L=2048, tokens=8192, verdict="",
                   arms={a: bench_step.summarise(a, [r]) for a, r in launches.items()}, ratios={})]  # fmt: skip
     text = bench_step.render(table, ["patched", "patched_onepass"], "h")

@@ -43,8 +43,8 @@ def _most_vh_blocks_live(run) -> int:
     return most
 
 
-def _dpo(x, **kw):
-    fn = ChunkedDPOLoss(beta=0.2, token_chunk_size=CHUNK, **kw)
+def _dpo(x, chunk=CHUNK, **kw):
+    fn = ChunkedDPOLoss(beta=0.2, token_chunk_size=chunk, **kw)
     return fn, lambda: fn(x["weight"], x["hidden"], x["target"], None, x["ref_hidden"], x["ref_weight"], None)[0]
 
 
@@ -99,6 +99,34 @@ def test_default_takes_one_pass_where_the_budget_allows_the_sum(budget):
     assert fn.last_held["extra_bytes"] == V * H * 4
 
 
+def test_default_widens_the_chunk_to_a_long_row_where_that_holds_less_than_a_sum(monkeypatch, budget):
+    """A pair a little longer than the default chunk (fp32 at L=512 with Qwen2.5-0.5B's head: rows of 256 tokens,
+    chunks of 220): the default takes one pass in a chunk widened to the longest row, which holds no ``(V, H)`` sum,
+    only that row's extra logits; ``one_pass=1`` keeps the chunk and holds the sum (the control).  Where even the
+    wider logits exceed the held budget: two passes.  The gradients agree."""
+    default_chunk = 8
+    monkeypatch.setitem(_plan.LOGITS_BUDGET_BYTES, "cpu", default_chunk * V * 4)
+    budget(V * H * 4 - 1)  # less than one fp32 (V, H) sum
+    got = {}
+    for label, kw in (("default", {}), ("one_pass=1", dict(one_pass=True)), ("one_pass=0", dict(one_pass=False))):
+        x = _inputs(1)
+        fn, forward = _dpo(x, chunk=None, **kw)
+        most = _most_vh_blocks_live(lambda f=forward: f().backward())
+        got[label] = (most, fn.last_path, fn.last_chunk, fn.last_held, x["weight"].grad.clone())
+    longest = int((x["target"] != -100).sum(1).max())
+    assert longest > default_chunk
+    assert got["default"][:3] == (1, "one-pass", longest), got["default"][:4]
+    assert got["default"][3]["vh_sums"] == 0 and got["default"][3]["chunk_bytes"] == (longest - default_chunk) * V * 4
+    assert got["one_pass=1"][:3] == (2, "one-pass", default_chunk), got["one_pass=1"][:4]
+    torch.testing.assert_close(got["default"][4], got["one_pass=1"][4], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["default"][4], got["one_pass=0"][4], rtol=1e-5, atol=1e-6)
+    budget((longest - default_chunk) * V * 4 - 1)  # the wider logits no longer fit: two passes
+    x = _inputs(1)
+    fn, forward = _dpo(x, chunk=None)
+    forward().backward()
+    assert fn.last_path.startswith("two-pass: one pass would hold") and fn.last_chunk == default_chunk, fn.last_path
+
+
 def test_a_cast_weight_counts_against_the_budget(budget):
     """fp32 weights under bf16 autocast: the one-pass forward keeps the bf16 cast beside the weight gradient."""
     budget(V * H * 2 - 1)  # less than the cast alone
@@ -106,7 +134,7 @@ def test_a_cast_weight_counts_against_the_budget(budget):
     fn, forward = _dpo(x)  # 4-token rows: no long pair, no sum
     with torch.autocast("cpu", dtype=torch.bfloat16):
         forward().backward()
-    assert fn.last_held == dict(vh_sums=0, vh_sums_bytes=0, cast_bytes=V * H * 2, extra_bytes=V * H * 2)
+    assert fn.last_held == dict(vh_sums=0, vh_sums_bytes=0, cast_bytes=V * H * 2, chunk_bytes=0, extra_bytes=V * H * 2)
     assert fn.last_path.startswith("two-pass: one pass would hold"), fn.last_path
     budget(V * H * 2)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -35,6 +35,7 @@ __all__ = [
     "fp32_out",
     "fp32_output_gemm",
     "held_budget_bytes",
+    "logit_bytes",
     "logits_budget_bytes",
     "math_dtype",
     "no_autocast",
@@ -52,12 +53,13 @@ LOGITS_BUDGET_BYTES = {"cpu": 128 << 20, "accelerator": 1 << 30}
 MAX_DEFAULT_CHUNK = 8192
 
 # Bytes the one-pass path may hold beyond what the two-pass path holds at its peak (issue 39): its long groups'
-# extra (V, H) sums and, where the GEMMs cast the weight (fp32 weights under autocast), the cast weight, both live
-# during the forward beside the weight gradient that pass already made.  CPU: 384 MiB, a cast of Qwen2.5-0.5B's
-# head to bf16 (0.25 GiB) fits and one fp32 sum of it (0.51 GiB) does not.  Measured (bench_step, mixed, 50 %
-# prompt, benchmarks/results/cpu-2026-12-07-held-budget): with the sum the step peaked 1.07-1.10x TRL 1.14's at
-# L=2,048, without it 0.99-1.01x, for 1.06-1.09x the CPU seconds; at L=512 the cast alone left it 1.00x.  Where
-# the peak sits: benchmarks/mem_head.py.  An accelerator: 1/16 of its free memory at the call.
+# extra (V, H) sums, or the logits of a chunk widened to hold them whole (``_base.widened``), and where the GEMMs
+# cast the weight (fp32 weights under autocast) the cast weight, all live during the forward beside the weight
+# gradient that pass already made.  CPU: 384 MiB, a cast of Qwen2.5-0.5B's head to bf16 (0.25 GiB) fits and one fp32
+# sum of it (0.51 GiB) does not.  Measured (bench_step, 50 % prompt, benchmarks/results/cpu-2026-12-07-blocks): with
+# 768 MiB, one fp32 sum held at L=2,048 put the step's peak in the loss's forward, 93 MB above TRL 1.14's (replayed,
+# DPO; VmHWM 1.02x); with the sum and the cast (mixed) one pass peaked 1.05-1.08x.  An accelerator: 1/16 of its
+# free memory.
 HELD_BUDGET_BYTES = {"cpu": 384 << 20}
 HELD_BUDGET_FREE_FRACTION = 16
 
@@ -158,15 +160,22 @@ def resolve_token_chunk_size(
     """
     if token_chunk_size is None:
         budget = logits_budget_bytes(device) if budget_bytes is None else int(budget_bytes)
-        per_logit = math_dtype(compute_dtype).itemsize
-        if tiles if tiles is not None else tiles_sweep(device, compute_dtype):
-            per_logit, budget = compute_dtype.itemsize, max(0, budget - _tiles.TILE_BYTES)
-        elif compute_dtype.itemsize < per_logit and not fp32_out(device, compute_dtype):
-            per_logit += compute_dtype.itemsize
+        tiles = tiles if tiles is not None else tiles_sweep(device, compute_dtype)
+        per_logit = logit_bytes(compute_dtype, tiles, fp32_out(device, compute_dtype))
+        budget = max(0, budget - _tiles.TILE_BYTES) if tiles else budget
         return max(1, min(MAX_DEFAULT_CHUNK, budget // (per_logit * max(1, int(vocab_size)))))
     if isinstance(token_chunk_size, bool) or int(token_chunk_size) != token_chunk_size or token_chunk_size < 1:
         raise ValueError(f"token_chunk_size must be a positive integer or None (auto), got {token_chunk_size!r}")
     return int(token_chunk_size)
+
+
+def logit_bytes(compute_dtype: torch.dtype, tiles: bool, fast: bool) -> int:
+    """Bytes a chunk holds per logit: the half block alone with ``tiles``; else the fp32 block, plus the GEMM's half
+    output where it cannot write fp32 (``fast``)."""
+    if tiles:
+        return compute_dtype.itemsize
+    full = math_dtype(compute_dtype).itemsize
+    return full + (compute_dtype.itemsize if compute_dtype.itemsize < full and not fast else 0)
 
 
 def vocab_block_rows(vocab_size: int, row_bytes: int, budget_bytes: int) -> int:
@@ -245,6 +254,10 @@ class Plan(NamedTuple):
     def tiles(self) -> bool:
         """The ``_tiles`` sweep: a forward pass keeps the GEMM's half block as its only ``(chunk, V)`` block."""
         return self.sweep.startswith("tiles")
+
+    def chunk_bytes(self, vocab_size: int) -> int:
+        """What one chunk's logits hold (the budget's share that scales with the chunk)."""
+        return self.chunk * vocab_size * logit_bytes(self.cdtype, self.tiles, self.fast)
 
     def block_rows(self, weight: torch.Tensor) -> int:
         """Vocabulary rows per block where the weight gradient needs an fp32 tile (half precision, or a weight of
