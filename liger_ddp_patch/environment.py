@@ -128,7 +128,8 @@ def _parse_disable(raw: str, known: frozenset[str]) -> tuple[bool, frozenset[str
 _LOSS_USAGE = (
     f"expected comma-separated key=value: one_pass=0|1 (0: the two-pass loss, no gradient held from the forward to "
     f"the backward; 1: always one pass, a long pair's (V, H) sums whatever they cost; default: one pass within the "
-    f"held budget, else two), token_chunk_size=<positive integer> (loss tokens per chunk), sweep=eager|triton (triton: "
+    f"held budget, its chunk widened to a long row where the sums would not fit, else two), token_chunk_size=<positive "
+    f"integer> (loss tokens per chunk), sweep=eager|triton (triton: "
     f"the softmax and gradient sweep as Triton kernels, CUDA only), autocast=0|1 (0: TRL's Liger path without the "
     f"Trainer's mixed-precision autocast, as TRL 1.9-1.13 run it), e.g. "
     f"{LOSS}=one_pass=0,token_chunk_size=1024"

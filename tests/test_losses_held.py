@@ -101,9 +101,10 @@ def test_default_takes_one_pass_where_the_budget_allows_the_sum(budget):
 
 def test_default_widens_the_chunk_to_a_long_row_where_that_holds_less_than_a_sum(monkeypatch, budget):
     """A pair a little longer than the default chunk (fp32 at L=512 with Qwen2.5-0.5B's head: rows of 256 tokens,
-    chunks of 220): the default takes one pass in a chunk widened to the longest row, which holds no ``(V, H)`` sum,
-    only that row's extra logits; ``one_pass=1`` keeps the chunk and holds the sum (the control).  Where even the
-    wider logits exceed the held budget: two passes.  The gradients agree."""
+    chunks of 220) whose sum exceeds the held budget: the default takes one pass in a chunk widened to the longest
+    row, which holds no ``(V, H)`` sum, only that row's extra logits; ``one_pass=1`` keeps the chunk and holds the
+    sum (the control).  Where the sum fits: one pass in the default chunk.  Where even the wider logits exceed the
+    budget: two passes.  The gradients agree."""
     default_chunk = 8
     monkeypatch.setitem(_plan.LOGITS_BUDGET_BYTES, "cpu", default_chunk * V * 4)
     budget(V * H * 4 - 1)  # less than one fp32 (V, H) sum
@@ -120,6 +121,11 @@ def test_default_widens_the_chunk_to_a_long_row_where_that_holds_less_than_a_sum
     assert got["one_pass=1"][:3] == (2, "one-pass", default_chunk), got["one_pass=1"][:4]
     torch.testing.assert_close(got["default"][4], got["one_pass=1"][4], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got["default"][4], got["one_pass=0"][4], rtol=1e-5, atol=1e-6)
+    budget(V * H * 4)  # the sum fits the budget: one pass in the default chunk, holding it
+    x = _inputs(1)
+    fn, forward = _dpo(x, chunk=None)
+    assert _most_vh_blocks_live(lambda: forward().backward()) == 2
+    assert (fn.last_path, fn.last_chunk, fn.last_held["vh_sums"]) == ("one-pass", default_chunk, 1), fn.last_held
     budget((longest - default_chunk) * V * 4 - 1)  # the wider logits no longer fit: two passes
     x = _inputs(1)
     fn, forward = _dpo(x, chunk=None)

@@ -108,10 +108,10 @@ class ChunkedLinearLoss(torch.nn.Module):
         self.average_log_prob = average_log_prob
         self.chunk_size = chunk_size  # accepted for drop-in compatibility; token_chunk_size bounds memory
         self.token_chunk_size = token_chunk_size
-        # None (default): the one-pass path (gradients formed in the forward, ``_onepass``) unless it would hold more
-        # than the two-pass path beyond ``_plan.held_budget_bytes`` (long groups' (V, H) sums, a cast weight), then
-        # the two-pass path; True: always one pass; False: always the two-pass path, which holds no gradient between
-        # forward and backward
+        # None (default): the one-pass path (gradients formed in the forward, ``_onepass``), unless it would hold more
+        # than the two-pass path beyond ``_plan.held_budget_bytes`` (long groups' (V, H) sums, a cast weight) even with
+        # its auto chunk widened to the longest row (:meth:`widened`), then the two-pass path; True:
+        # always one pass; False: always the two-pass path, which holds no gradient between forward and backward
         self.one_pass = None if one_pass is None else bool(one_pass)
         self.sweep = sweep  # "triton": the (chunk, V) sweep as Triton kernels where they run (_plan.sweep_of)
         self.last_path, self.last_chunk, self.last_sweep = None, None, None  # what the last forward did
@@ -184,10 +184,10 @@ class ChunkedLinearLoss(torch.nn.Module):
         if path == ONE_PASS:
             schedule = _onepass.group_chunks(sel.rows, loss_of.group_of_row, sel.counts, plan.chunk)
             held = self.held(schedule[1], weight, plan)
-            if self.one_pass is None and self.token_chunk_size is None and held["vh_sums"]:
+            budget = _plan.held_budget_bytes(hidden.device)
+            if self.one_pass is None and self.token_chunk_size is None and held["extra_bytes"] > budget:
                 one, schedule, held = self.widened(sel, loss_of.group_of_row, weight, plan, schedule, held)
             self.last_held = held
-            budget = _plan.held_budget_bytes(hidden.device)
             if self.one_pass is None and held["extra_bytes"] > budget:
                 one, path = plan, (f"{TWO_PASS}: one pass would hold {held['extra_bytes'] / 2**20:.0f} MiB more "
                                    f"(> {budget / 2**20:.0f} MiB)")  # fmt: skip
@@ -213,11 +213,12 @@ class ChunkedLinearLoss(torch.nn.Module):
                     extra_bytes=sums + cast + chunk_bytes)  # fmt: skip
 
     def widened(self, sel, group_of_row, weight, plan: Plan, schedule, held):
-        """``(plan, schedule, held)`` of the one-pass forward that holds least: ``plan``'s, or the same with the
-        token chunk widened to the longest row, or group, where that leaves no long group needing a ``(V, H)`` sum
-        and its logits hold less than the sums.  A pair of 1.2x a chunk (fp32, Qwen2.5-0.5B's head, L=512) then
-        holds 22 MB more logits instead of a 519 MiB sum (issue 39: a sum under the budget still raised the step's
-        peak where the loss's forward, not the embedding's backward, set it)."""
+        """Where ``plan``'s one pass would hold more than the budget: ``(plan, schedule, held)`` with the token chunk
+        widened to the longest row, or group, where that leaves no long group needing a ``(V, H)`` sum and its
+        logits hold less than the sums; else ``plan``'s.  A pair of 1.2x a chunk (fp32, Qwen2.5-0.5B's head,
+        L=512) then holds 22 MB more logits instead of a 519 MiB sum and takes one pass, not two (issue 39).  Only
+        then: where the sums fit the budget, a widened chunk (bf16) took 1.02-1.11x their step time for no lower
+        peak (benchmarks/README.md, "What the held budget changed")."""
         V, groups = weight.shape[0], torch.zeros_like(sel.counts).index_add_(0, group_of_row, sel.counts)
         for chunk in sorted({int(sel.counts.max()), int(groups.max())}):
             if chunk <= plan.chunk or chunk > _plan.MAX_DEFAULT_CHUNK:

@@ -22,9 +22,10 @@ each fit a chunk keeps one, for its chosen row), and long groups go first, so th
 the weight gradient itself.  Extra ``(V, H)`` tensors, reused from one long group to the next: DPO with rows that
 fit a chunk 0 for the first long pair, 1 from the second; with longer rows 1, then 2; KTO 0, then 1; none with a
 frozen head (LoRA).  They live during the forward only, beside the weight gradient; by default the base
-(``_base``) takes the two-pass path where they and a cast weight would exceed ``_plan.held_budget_bytes``
-(:func:`extra_sums` counts them from the plan); ``one_pass=False`` (``LIGER_DDP_PATCH_LOSS=one_pass=0``) always
-avoids them, ``one_pass=True`` always takes them.
+(``_base``), where they and a cast weight would exceed ``_plan.held_budget_bytes``, widens the chunk to the
+longest row or group when that needs no sum and holds less (``ChunkedLinearLoss.widened``), and takes the two-pass
+path where even that would exceed it (:func:`extra_sums` counts the sums from the plan); ``one_pass=False``
+(``LIGER_DDP_PATCH_LOSS=one_pass=0``) always avoids them, ``one_pass=True`` always takes them.
 
 Memory: the same token budget as the two-pass path; grad-input (the size of the hidden states) and the weight /
 bias gradients live from the forward to the backward, no logits do.  The saved inputs (``hidden2d``, the selected

@@ -3,8 +3,9 @@
 A fresh CPU buffer of that size costs its page faults on every first touch (glibc maps and unmaps blocks this
 large), on the order of the sweep of a chunk itself.  The reference pass and the policy pass of one call
 run one after the other, so they can share one buffer per slot; every request is within the loss's per-chunk
-budget (``_plan.logits_budget_bytes``), so holding the largest of them holds no more than that.  Per thread and
-per call (a context variable, freed on exit): nothing is held between calls.
+budget (``_plan.logits_budget_bytes``) or, for a one-pass chunk widened to a long row, what the held budget allowed
+(``_base.ChunkedLinearLoss.widened``), so holding the largest of them holds no more than that.  Per thread and per
+call (a context variable, freed on exit): nothing is held between calls.
 """
 
 from __future__ import annotations

@@ -95,7 +95,8 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
         chunk_size: accepted and **ignored** (Liger's chunk counts rows; the result does not depend on it).
         token_chunk_size: (our own keyword) non-ignored tokens projected per chunk; ``None`` = auto (a memory
             budget per device type, see ``ChunkedDPOLoss``).
-        one_pass: (our own keyword) ``None``: by the held budget; ``True`` / ``False`` force one / two passes
+        one_pass: (our own keyword) ``None``: by the held budget (auto chunks widened to a long row where its
+            sum would not fit); ``True`` / ``False`` force one / two passes
             (see ``ChunkedDPOLoss``).
         sweep: (our own keyword) ``"eager"`` or ``"triton"`` (see ``ChunkedDPOLoss``).
     """
