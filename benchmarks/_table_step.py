@@ -35,17 +35,20 @@ class Spec:
 # The README's rows: bench_step's current configurations at 50 % prompt that have a raw file (benchmarks/README.md,
 # "Whole training step"; the 0 % rows stay there), then the last GPU step. Order: the table's and the figure's.
 GPU_NOTE = "predates the routed autocast and the chunked KL log-probs"
-LOADED = "2 cores loaded 6-9 by other work: seconds inflated, ratios interleaved"
+RUN = "cpu-2026-12-07-blocks"  # every CPU row: the package of 2026-12-07 (issue 39), one machine
 SPECS = (
-    Spec("cpu-2026-12-06-step-mixed/step_mixed_512.json", "dpo", "mixed", 512),
-    Spec("cpu-2026-12-06-step-mixed-kl/step_kto512.json", "kto", "mixed", 512),
-    Spec("cpu-2026-12-07-held-budget/step_mixed2048.json", "dpo", "mixed", 2048, note=LOADED),
-    Spec("cpu-2026-12-07-held-budget/step_mixed2048.json", "kto", "mixed", 2048, note=LOADED),
-    Spec("cpu-2026-12-05-step-bf16/step_bf16.json", "dpo", "bf16", 512),
-    Spec("cpu-2026-12-06-step-bf16-kl/step_kto512.json", "kto", "bf16", 512),
-    Spec("cpu-2026-12-05-step-bf16/step_bf16_2048.json", "dpo", "bf16", 2048),
-    Spec("cpu-2026-12-06-step-bf16-kl/step_kto2048.json", "kto", "bf16", 2048),
-    Spec("cpu-2026-12-06-step-bf16-kl/step_kto2048_fp32.json", "kto", "fp32", 2048),
+    Spec(f"{RUN}/step_mixed512_dpo_quiet.json", "dpo", "mixed", 512),
+    Spec(f"{RUN}/step_kto_mixed512_768.json", "kto", "mixed", 512),
+    Spec(f"{RUN}/step_mixed2048.json", "dpo", "mixed", 2048),
+    Spec(f"{RUN}/step_mixed2048.json", "kto", "mixed", 2048),
+    Spec(f"{RUN}/step_bf16.json", "dpo", "bf16", 512),
+    Spec(f"{RUN}/step_bf16.json", "kto", "bf16", 512),
+    Spec(f"{RUN}/step_bf16.json", "dpo", "bf16", 2048),
+    Spec(f"{RUN}/step_bf16.json", "kto", "bf16", 2048),
+    Spec(f"{RUN}/step_widened_fp32_512.json", "dpo", "fp32", 512),
+    Spec(f"{RUN}/step_widened_fp32_512.json", "kto", "fp32", 512),
+    Spec(f"{RUN}/step_fp32_2048.json", "dpo", "fp32", 2048),
+    Spec(f"{RUN}/step_fp32_2048.json", "kto", "fp32", 2048),
     Spec("h200-2026-12-04/gpu_check.json", "dpo", "bf16", 4096, note=GPU_NOTE),
     Spec("h200-2026-12-04/gpu_check.json", "kto", "bf16", 4096, note=GPU_NOTE),
 )
