@@ -277,7 +277,7 @@ def run_part_b(args, paths, out: Path) -> list[dict]:
 
     sys.path.insert(0, str(ROOT / "tests"))  # the test harness (not in the package): the probe and its launcher
     assets = build(out / "tiny", vocab_size=64 if args.cpu_smoke else REAL_VOCAB)
-    runs = [(version, patched) for version in DDP_TRL for patched in (False, True)]
+    runs = [(version, patched) for version in args.ddp_trl for patched in (False, True)]
 
     def one(run):
         version, patched = run
@@ -406,6 +406,7 @@ def check_rows(
     reps_c=2,
     trainers=STEP_TRAINERS,
     step_arms=STEP_ARMS,
+    ddp_trl=DDP_TRL,
 ) -> list[str]:
     """Every way a row can be wrong, as messages (empty: all rows pass).  Used by main() and the CPU smoke test.
 
@@ -461,9 +462,9 @@ def check_rows(
             if not unpatched.get("differing", 0) > 0:  # TRL 1.9-1.13: silent desync
                 bad.append(f"(b) 1.12.0 {trainer} unpatched shows no desync: {unpatched}")
             crashed = rows.get(("1.8.0", trainer, "unpatched"), {})
-            if "base_model" not in str(crashed.get("error")):  # before 1.9: crash in DDP
+            if "1.8.0" in ddp_trl and "base_model" not in str(crashed.get("error")):  # before 1.9: crash in DDP
                 bad.append(f"(b) 1.8.0 {trainer} unpatched did not crash on base_model: {crashed}")
-            for version in DDP_TRL:
+            for version in ddp_trl:
                 r = rows.get((version, trainer, "patched"), {})
                 ok = (r.get("params"), r.get("differing"), r.get("max_abs_diff")) == (PATCHED_PARAMS, 0, 0.0)
                 if not ok or not str(r.get("loss_class")).startswith("Chunked"):
@@ -601,12 +602,18 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="timed steps per arm (default 5 on GPU, 2 on CPU)")
     ap.add_argument("--timeout-a", type=float, default=None, help="seconds for part (a) (GPU 240, CPU 900)")
     ap.add_argument("--timeout-b", type=float, default=None, help="seconds per DDP launch (GPU 240, CPU 900)")
+    ap.add_argument("--ddp-trl", default=",".join(DDP_TRL),
+                    help="(b): the TRL releases, 1.12.0 first (the CPU smoke: 1.12.0 alone; tests/test_matrix.py runs "
+                    "1.8.0's crash)")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=None, help="DDP launches at once (default: 4 on GPU, 1 on CPU)")
     ap.add_argument("--print-wheels", action="store_true", help="the wheels gpu_wheels.sh downloads, one per line")
     ap.add_argument("--part-a", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.step_arms = tuple(args.step_arms.split(","))
+    args.ddp_trl = tuple(args.ddp_trl.split(","))
+    if args.ddp_trl[0] != "1.12.0" or not set(args.ddp_trl) <= set(DDP_TRL):
+        ap.error(f"--ddp-trl: 1.12.0 first, then any of {', '.join(DDP_TRL[1:])}")
     known = {a + ref for a in (*STEP_ARMS, *EXTRA_STEP_ARMS) for ref in ("", BF16_REF)}
     if args.step_arms[0] != "patched" or not set(args.step_arms) <= known:
         ap.error(f"--step-arms: patched first, then any of {', '.join((*STEP_ARMS[1:], *EXTRA_STEP_ARMS))}, each "
@@ -637,7 +644,7 @@ def main(argv=None) -> int:
     info = dict(device=args.device, device_name=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                 torch=torch.__version__, size=size, smoke=args.cpu_smoke, installed=paths["installed"],
                 ddp_device="cuda:0 (both ranks)" if args.device == "cuda" else "cpu", ddp_vocab=64 if args.cpu_smoke
-                else 151_936)  # fmt: skip
+                else 151_936, ddp_trl=args.ddp_trl)  # fmt: skip
     parts = args.parts.split(",")
     rows_b = run_part_b(args, paths, out) if "b" in parts else []
     info["seconds_b"] = round(time.monotonic() - started, 1)
@@ -656,7 +663,7 @@ def main(argv=None) -> int:
     print(f"\n{info['seconds']:.0f} s in all (part b {info['seconds_b']:.0f} s, a {info['seconds_a']:.0f} s); "
           f"JSON and logs in {out}")  # fmt: skip
     trainers = SMOKE_STEP_TRAINERS if args.cpu_smoke else STEP_TRAINERS
-    bad = check_rows(rows_a, rows_b, args.reps, parts, rows_c, args.reps_c, trainers, args.step_arms)
+    bad = check_rows(rows_a, rows_b, args.reps, parts, rows_c, args.reps_c, trainers, args.step_arms, args.ddp_trl)
     print("\n".join(["", f"FAILED ({len(bad)}):", *bad]) if bad else "\nall rows pass")
     return 1 if bad else 0
 

@@ -90,9 +90,21 @@ RELEASES = [
 ]
 
 
+# TRL 1.12.0 unpatched: the controls of both tests below in one launch (the regional config, which crashes, last)
+CONTROL_1_12 = "dpo-compile,kto-compile,gkd-compile,dpo-compile-regional"
+
+
+@pytest.fixture(scope="module")
+def control_1_12(tiny_small):
+    return probe(tiny_small, "1.12.0", False, CONTROL_1_12)
+
+
 @pytest.mark.parametrize("version", RELEASES)
-def test_compiled_ddp_desyncs_unpatched_and_is_in_sync_patched(tiny_small, tmp_path, version):
-    control = probe(tiny_small, version, False, "dpo-compile,kto-compile")
+def test_compiled_ddp_desyncs_unpatched_and_is_in_sync_patched(tiny_small, tmp_path, version, request):
+    if version == "1.12.0":
+        control = request.getfixturevalue("control_1_12")
+    else:
+        control = probe(tiny_small, version, False, "dpo-compile,kto-compile")
     for config in ("dpo-compile", "kto-compile"):
         assert_desynced(control, config)
 
@@ -117,10 +129,10 @@ def test_compiled_ddp_desyncs_unpatched_and_is_in_sync_patched(tiny_small, tmp_p
     assert "NOT synchronised" not in patched["log"]
 
 
-def test_compiled_gkd_and_regional_compilation_are_routed(tiny_small):
+def test_compiled_gkd_and_regional_compilation_are_routed(tiny_small, control_1_12):
     """GKD on one release, and accelerate's regional compilation (a copy of the DDP module with compiled blocks),
     where unpatched TRL hands the DDP copy to its Liger path and crashes."""
-    control = probe(tiny_small, "1.12.0", False, "gkd-compile,dpo-compile-regional")
+    control = control_1_12
     assert_desynced(control, "gkd-compile")
     assert "no attribute 'base_model'" in runs(control)[("dpo-compile-regional", "liger")]["error"]
     patched = probe(tiny_small, "1.12.0", True, "gkd-compile,dpo-compile-regional")

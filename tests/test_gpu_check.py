@@ -22,6 +22,9 @@ import gpu_check  # noqa: E402
 # reference). Four KTO launches (each ~75 s on 2 cores): Liger-off and TRL 1.14 at the float32 reference are the
 # same launches as their bf16-reference arms but for the reference, and test_bench_step runs Liger-off already.
 SMOKE_ARMS = "patched,patched_onepass,patched+bf16ref,trl114+bf16ref"
+# (b) on TRL 1.12.0 alone: its two-node launches are test_launchers' (the same harness function), and 1.8.0's crash
+# in DDP is test_matrix's (real vocabulary, every CI run): two two-node launches, not the GPU call's four (~10 s less)
+SMOKE_DDP_TRL = "1.12.0"
 
 
 @pytest.mark.ddp
@@ -33,8 +36,9 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     (tmp_path / "gpu_check.json").write_text(json.dumps(dict(info={}, a=[], b=[])))
     (tmp_path / "ddp-1.12.0-patched").mkdir()
     (tmp_path / "ddp-1.12.0-patched" / "stale-from-an-earlier-run").write_text("{}")
+    options = ["--cpu-smoke", "--out", str(tmp_path), "--memory", "--step-arms", SMOKE_ARMS, "--ddp-trl", SMOKE_DDP_TRL]
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(tmp_path), "--memory", "--step-arms", SMOKE_ARMS],
+        [sys.executable, str(SCRIPT), *options],
         capture_output=True,
         text=True,
         timeout=1500,
@@ -54,18 +58,19 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     assert not (tmp_path / "ddp-1.12.0-patched" / "stale-from-an-earlier-run").exists()
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert check_rows_strict(report) == []
+    assert report["info"]["ddp_trl"] == [SMOKE_DDP_TRL] and {r["trl"] for r in report["b"]} == {SMOKE_DDP_TRL}
     settings = {r["arm"]: r.get("loss_setting") for r in report["c"]}
     assert settings["patched_onepass"] == "one_pass=1" and settings["patched"] is None, settings
 
 
 def check_rows_strict(report):
-    c = report.get("c")
+    c, ddp_trl = report.get("c"), tuple(report.get("info", {}).get("ddp_trl", gpu_check.DDP_TRL))
     if c is None:
-        return gpu_check.check_rows(report["a"], report["b"], reps=2)
+        return gpu_check.check_rows(report["a"], report["b"], reps=2, ddp_trl=ddp_trl)
     trainers, arms = tuple(dict.fromkeys(r["trainer"] for r in c)), tuple(dict.fromkeys(r["arm"] for r in c))
     references = {r["arm"]: r.get("reference") for r in c if "error" not in r}
     assert all((ref == "bf16") == arm.endswith(gpu_check.BF16_REF) for arm, ref in references.items()), references
-    return gpu_check.check_rows(report["a"], report["b"], 2, ("a", "b", "c"), c, 2, trainers, arms)
+    return gpu_check.check_rows(report["a"], report["b"], 2, ("a", "b", "c"), c, 2, trainers, arms, ddp_trl)
 
 
 def _passing_report():
@@ -102,6 +107,7 @@ def _passing_report():
         "ours_long took two passes",
         "arm missing",
         "no desync unpatched",
+        "1.8.0 did not crash",
         "step: patched failed",
         "step: patched ran Liger's loss",
         "step: an arm missing",
@@ -146,6 +152,9 @@ def test_check_rows_fails_each_broken_row(breakage):
             patched.update(trainer="dpo", arm="patched", error=gpu_check.NOT_RUN)
         else:
             next(r for r in c if r["arm"] == "off")["error"] = ""
+    elif breakage == "1.8.0 did not crash":  # checked where (b) ran 1.8.0 (the GPU call; not the CPU smoke)
+        next(r for r in b if r["trl"] == "1.8.0" and r["run"] == "unpatched")["error"] = None
+        assert gpu_check.check_rows(a, b, 2, ddp_trl=("1.12.0",)) == []
     else:
         next(r for r in b if r["run"] == "unpatched")["differing"] = 0
     assert check_rows_strict(report), breakage
