@@ -7,8 +7,10 @@ DataParallel needs several GPUs).
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
-from harness import run_probe
+from harness import run_probe, two_at_a_time
 
 pytestmark = pytest.mark.ddp  # real subprocesses, ~20 s each
 
@@ -17,12 +19,13 @@ TRL_LOSS = {"dpo": "LigerFusedLinearDPOLoss", "kto": "LigerFusedLinearKTOLoss"}
 
 @pytest.fixture(scope="module")
 def single_runs(tiny_small, tmp_path_factory):
-    """One Liger DPO and one Liger KTO step in one plain process: package disabled vs imported before TRL."""
+    """One Liger DPO and one Liger KTO step in one plain process: package disabled vs imported before TRL (the two
+    processes at once: each is bound by its imports on one core)."""
     out = tmp_path_factory.mktemp("single")
-    runs = {}
-    for label, mode, env in (("unpatched", "none", {"LIGER_DDP_PATCH_DISABLE": "1"}), ("patched", "before", {})):
-        runs[label] = run_probe(tiny_small, mode, env=env, nproc=0, extra=("--grads-out", str(out / label)))
-    return out, runs
+    arms = (("unpatched", "none", {"LIGER_DDP_PATCH_DISABLE": "1"}), ("patched", "before", {}))
+    calls = [partial(run_probe, tiny_small, mode, env=env, nproc=0, extra=("--grads-out", str(out / label)))
+             for label, mode, env in arms]  # fmt: skip
+    return out, dict(zip((label for label, _, _ in arms), two_at_a_time(*calls)))
 
 
 @pytest.mark.parametrize("trainer", ["dpo", "kto"])
