@@ -19,10 +19,11 @@ own weights, SGD-free (one step's gradients are what is compared), fp32 (``bf16=
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 import pytest
-from harness import run_probe
+from harness import run_probe, two_at_a_time
 
 from liger_ddp_patch.patches.trainers import SPECS
 
@@ -250,14 +251,15 @@ def test_real_vocabulary_runs_inside_ddps_forward(real_vocab):
 
 
 def test_one_process_is_trls_code_bit_for_bit(tiny_small, tmp_path):
-    """No wrapper: the patched run's gradients are the unpatched run's, bit for bit."""
+    """No wrapper: the patched run's gradients are the unpatched run's, bit for bit (the two processes at once)."""
     assets = tiny_small
     path, configs = (str(trl_dir("1.5.1")),), ("--configs", "gkd")
-    patched = run_probe(
-        assets, "before", pythonpath=path, nproc=0, extra=(*configs, "--grads-out", str(tmp_path / "p"))
-    )
-    unpatched = run_probe(assets, "none", pythonpath=path, nproc=0, env={"LIGER_DDP_PATCH_DISABLE": "1"},
-                          extra=(*configs, "--grads-out", str(tmp_path / "u")))  # fmt: skip
+    patched, unpatched = two_at_a_time(
+        partial(run_probe, assets, "before", pythonpath=path, nproc=0,
+                extra=(*configs, "--grads-out", str(tmp_path / "p"))),
+        partial(run_probe, assets, "none", pythonpath=path, nproc=0, env={"LIGER_DDP_PATCH_DISABLE": "1"},
+                extra=(*configs, "--grads-out", str(tmp_path / "u"))),
+    )  # fmt: skip
     for config in ("gkd",):
         assert "error" not in result(patched, config) and "error" not in result(unpatched, config)
         ours, theirs = grads(tmp_path, f"p.{config}"), grads(tmp_path, f"u.{config}")
