@@ -359,3 +359,45 @@ def test_user_script_reads_the_warnings_on_stderr(version, disable, tiny_small):
         assert "TRL REFUSED: ValueError" in proc.stdout and "desirable_weight" in proc.stdout, proc.stdout
     else:
         assert "BUILT" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+# A DPO user with use_weighting=True (dropped by every Liger path before 1.14); argv: model folder.
+_DPO_USER = r"""
+import sys, tempfile
+import liger_ddp_patch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import DPOConfig, DPOTrainer
+rows = [{"prompt": "rank one question", "chosen": "a good answer", "rejected": "a bad one"} for _ in range(4)]
+args = DPOConfig(tempfile.mkdtemp(), use_liger_kernel=True, use_weighting=True, per_device_train_batch_size=2,
+                 bf16=False, use_cpu=True, report_to="none",
+                 liger_kernel_config={k: False for k in ("rope", "rms_norm", "swiglu", "cross_entropy",
+                                                         "fused_linear_cross_entropy", "layer_norm", "geglu")})
+DPOTrainer(model=AutoModelForCausalLM.from_pretrained(sys.argv[1]), args=args, train_dataset=Dataset.from_list(rows),
+           processing_class=AutoTokenizer.from_pretrained(sys.argv[1]))
+print("BUILT")
+"""
+
+
+def test_a_pre_release_is_judged_as_the_release_before_its_base(tiny_small, tmp_path):
+    """TRL from git carrying 1.13.0's code: 1.14.0.dev0 (outside ``<1.14.0`` for a specifier, which skips
+    pre-releases) is judged as 1.13.0, 1.13.0.dev0 as 1.12.0, as the engine judges a pre-release; both warn."""
+    from test_versions import fake_release
+
+    def run(version: str) -> list[str]:
+        folder = fake_release(tmp_path, version, "1.13.0")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT)])}
+        env.pop("LIGER_DDP_PATCH_DISABLE", None)
+        proc = subprocess.run([sys.executable, "-c", _DPO_USER, str(tiny_small)], env=env, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert "BUILT" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+        return [line for line in proc.stderr.splitlines() if line.startswith("liger_ddp_patch: DPOTrainer")]
+
+    from harness import two_at_a_time
+
+    dev14, dev13 = two_at_a_time(partial(run, "1.14.0.dev0"), partial(run, "1.13.0.dev0"))
+    for said, judged in ((dev14, "1.14.0.dev0, a pre-release judged as 1.13.0"),
+                         (dev13, "1.13.0.dev0, a pre-release judged as 1.12.0")):  # fmt: skip
+        assert said and all(f"(TRL {judged}, use_liger_kernel=True)" in line for line in said), said
+        assert any("use_weighting=True" in line for line in said), said
+    assert ls.judged_as("1.14.0") == "1.14.0" and ls.judged_as("1.14.0.dev0") == "1.13.0"

@@ -210,18 +210,41 @@ def facts(trainer: str) -> tuple[Dropped, ...]:
     return tuple(f for f in FACTS if f.trainer == trainer)
 
 
+def judged_as(trl: str) -> str:
+    """The release whose code ``trl`` is judged by: itself, or for a pre-release we have not read (TRL from git), the
+    release before its base. As the engine judges one (:mod:`liger_ddp_patch.engine.decide`), a pre-release carries
+    code from after that release up to its base, so no range may exclude it; its settings were still that release's
+    if its Liger path is still there (the records act only where its shape matched: 1.14.0.dev0 may be 1.13's code)."""
+    from packaging.version import InvalidVersion, Version
+
+    from .trl_versions import RELEASES
+
+    try:
+        parsed = Version(trl)
+    except InvalidVersion:
+        return trl
+    if not parsed.is_prerelease or trl in RELEASES:
+        return trl
+    base = Version(parsed.base_version)
+    earlier = [r for r in RELEASES if Version(r) < base]
+    return max(earlier, key=Version) if earlier else parsed.base_version
+
+
 def dropped_in(fact: Dropped, trl: str, liger: str | None) -> bool:
-    """Does TRL ``trl`` (with liger-kernel ``liger``; ``None``: not installed) drop ``fact``'s setting?"""
+    """Does TRL ``trl`` (with liger-kernel ``liger``; ``None``: not installed) drop ``fact``'s setting? A pre-release
+    as :func:`judged_as` says."""
     from packaging.specifiers import SpecifierSet
 
-    if trl not in SpecifierSet(fact.releases, prereleases=True):
+    if judged_as(trl) not in SpecifierSet(fact.releases, prereleases=True):
         return False
     return not fact.liger or (liger is not None and liger in SpecifierSet(fact.liger, prereleases=True))
 
 
 def message(fact: Dropped, trainer: str, trl: str, shown: str) -> str:
     """The warning a user reads, e.g. ``... ignores desirable_weight=3.0: ...; TRL 1.13 rejects this ...``."""
+    judged = judged_as(trl)
+    release = f"TRL {trl}" if judged == trl else f"TRL {trl}, a pre-release judged as {judged}"
     return (
-        f"liger_ddp_patch: {trainer} (TRL {trl}, use_liger_kernel=True) {fact.verb} {shown}: {fact.lost}; "
+        f"liger_ddp_patch: {trainer} ({release}, use_liger_kernel=True) {fact.verb} {shown}: {fact.lost}; "
         f"{fact.later}. {fact.remedy}"
     )
