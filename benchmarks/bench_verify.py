@@ -9,8 +9,8 @@ DPO step (which also runs the reference model), so the ratio below overstates th
 ``GradientSyncVerifier.check``: fingerprint every gradient, one all_gather of the [25, 5] table, compare.
 A *save* is what a Trainer checkpoint writes (the model with ``save_pretrained``, the optimizer's state with
 ``torch.save``; scheduler, RNG and trainer state are a few KB more), a *weights check* the checkpoint check the
-package runs after it (an own-precision sum and 64 samples per weight, one all_gather, an exact compare); the two are
-timed interleaved, save then check, ``--saves`` times. Medians after warm-up.
+package runs after it (each weight's bits summed as integers, one all_gather, an exact compare: issue 44's digest);
+the two are timed interleaved, save then check, ``--saves`` times. Medians after warm-up.
 """
 
 from __future__ import annotations

@@ -61,3 +61,15 @@ def find(model: Any) -> Found | None:
         if isinstance(candidate, DistributedDataParallel):
             return Found(candidate, COMPILED)
     return None
+
+
+def ignored(module: Any) -> frozenset[str]:
+    """The parameter names a DDP module does not synchronise (its ``parameters_to_ignore``), or that a module asks
+    DDP to leave alone (``_ddp_params_and_buffers_to_ignore``); empty for anything else."""
+    names = getattr(module, "parameters_to_ignore", None)
+    if names is None:
+        names = getattr(module, "_ddp_params_and_buffers_to_ignore", None)
+    try:
+        return frozenset(str(n) for n in names or ())
+    except TypeError:
+        return frozenset()

@@ -7,6 +7,7 @@ disabled, verifier on through ``LIGER_DDP_PATCH_VERIFY``) and the patched run wi
 from __future__ import annotations
 
 import functools
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 from liger_ddp_patch import verify  # noqa: E402
 from liger_ddp_patch.verify import GradientDesyncError, describe, disagreements, fingerprints  # noqa: E402
+from liger_ddp_patch.verify.distance import ROUNDING_ULPS  # noqa: E402
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "sitecustomize_example")
 NAMES = ["embed.weight", "layer.0.weight", "layer.0.bias", "head.weight", "frozen.weight"]
@@ -219,9 +221,66 @@ def test_weights_are_compared_exactly():
     stepped = w - 1e-6 * torch.randn(1000, generator=g).sign()
     same = torch.stack([verify.weight_fingerprint(w), verify.weight_fingerprint(w.clone())])[:, None]
     differ = torch.stack([verify.weight_fingerprint(w), verify.weight_fingerprint(stepped)])[:, None]
-    assert disagreements(same, 0.0) == {} and disagreements(differ, 0.0) == {0: [1]}
+    assert same.dtype == torch.int64  # a weight table is compared exactly whatever tolerance is asked for
+    assert disagreements(same, 1e-3) == {} and disagreements(differ, 1e-3) == {0: [1]}
+    one_ulp = w.clone()
+    one_ulp[123] = torch.nextafter(one_ulp[123], torch.tensor(float("inf")))
+    assert disagreements(torch.stack([verify.weight_fingerprint(w), verify.weight_fingerprint(one_ulp)])[:, None]) == {
+        0: [1]
+    }
     loose = torch.stack([fingerprints([w])[0], fingerprints([stepped])[0]])[:, None]
-    assert disagreements(loose) == {}  # why weights are compared with rtol=0
+    assert disagreements(loose) == {}  # why weights are not compared by the gradients' fingerprint
+
+
+def test_the_weight_digest_is_the_same_for_any_thread_count():
+    """Issue 44: the old digest, a float sum, splits a 4M-element sum otherwise on 2 threads than on 1 (the control);
+    the integer sum of the bits cannot. A transposed weight is read in its logical order."""
+    fingerprint = importlib.import_module("liger_ddp_patch.verify.fingerprint")
+
+    w = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)) * 0.02
+    threads = torch.get_num_threads()
+    try:
+        sums, digests = [], []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            sums.append(w.sum().item())
+            digests.append(fingerprint.digest(w).item())
+    finally:
+        torch.set_num_threads(threads)
+    assert sums[0] != sums[1]  # the control: the float sum depends on the thread count
+    assert digests[0] == digests[1]
+    matrix = w[:4096].reshape(64, 64)
+    assert fingerprint.digest(matrix.t()).item() == fingerprint.digest(matrix.t().contiguous()).item()
+    assert fingerprint.digest(torch.ones(3, dtype=torch.bfloat16)) is not None  # 6 bytes: read as int16 words
+
+
+def test_ulps_are_counted_at_the_weights_largest_element():
+    from liger_ddp_patch.verify import distance
+
+    assert distance.ulp(1.0, torch.float32) == 2**-23 and distance.ulp(0.3, torch.float32) == 2**-25
+    assert distance.ulp(1.0, torch.bfloat16) == 2**-7 and distance.ulp(0.0, torch.float32) > 0
+
+
+def test_one_process_group_of_one(tmp_path):
+    """The exchange and the distance in a real (gloo, 1 rank) group: a rank whose table cannot be built sends why
+    instead, and takes part; the distance of a copy to itself is 0."""
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from liger_ddp_patch.verify import collective, distance\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "ok = collective.exchange(lambda where: torch.ones(2, 3, dtype=torch.int64), (2, 3), torch.int64)\n"
+        "def broken(where): raise RuntimeError('CUDA out of memory')\n"
+        "bad = collective.exchange(broken, (2, 3), torch.int64)\n"
+        "wrong = collective.exchange(lambda where: torch.ones(3, 2), (2, 3), torch.int64)\n"
+        "print(ok.tables.tolist(), ok.failed, bad.failed, wrong.failed)\n"
+        "print(distance.spreads([torch.randn(5, 7), torch.randn(300000)], torch.device('cpu')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == (
+        "[[[1, 1, 1], [1, 1, 1]]] {} {0: 'RuntimeError: CUDA out of memory'} "
+        "{0: 'ValueError: a (3, 2) torch.float32 table, not (2, 3) torch.int64'}"
+    )
+    assert out[1] == "[0.0, 0.0]"
 
 
 @pytest.mark.parametrize(
@@ -247,10 +306,12 @@ def test_the_table_travels_on_the_device_the_backend_needs(monkeypatch, backend,
 def test_a_failing_collective_is_one_warning_and_the_job_goes_on(monkeypatch, caplog):
     from liger_ddp_patch.verify import callbacks, collective
 
-    def broken(local, group=None):
+    def broken(parts, payload, group=None):
         raise RuntimeError("Tensors must be CUDA and dense")
 
-    monkeypatch.setattr(collective, "gather", broken)
+    monkeypatch.setattr(collective.dist, "all_gather", broken)
+    monkeypatch.setattr(collective.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(collective, "device", lambda group=None: torch.device("cpu"))
     monkeypatch.setattr(callbacks.package_log, "is_main_process", lambda: True)
     model = torch.nn.Linear(2, 2)
     model(torch.ones(1, 2)).sum().backward()
@@ -294,15 +355,40 @@ def test_a_trainer_pickles_and_deep_copies_with_its_check(tmp_path):
     trainer = _trainer(tmp_path)
     for twin in (pickle.loads(pickle.dumps(trainer)), copy.deepcopy(trainer)):
         (check,) = _checks(twin)
-        assert type(check) is verify.FirstStepCheck and check._trainer() is twin  # the copy checks the copy
+        assert type(check) is verify.FirstStepCheck and check.trainer is twin  # the copy checks the copy
+
+
+def test_a_check_copied_alone_carries_no_trainer_and_says_so_once(tmp_path, monkeypatch, caplog):
+    """Issue 44: pickled alone, a check carried the whole Trainer; deep-copied alone, it silently checked nothing."""
+    import copy
+    import pickle
+
+    from liger_ddp_patch.verify import callbacks
+
+    trainer = _trainer(tmp_path)
+    (check,) = _checks(trainer)
+    alone = pickle.dumps(check)
+    assert len(alone) < len(pickle.dumps(trainer)) / 10 and b"Linear" not in alone  # no model, no Trainer
+    monkeypatch.setattr(callbacks.collective, "several_ranks", lambda group=None: True)
+    monkeypatch.setattr(callbacks.package_log, "is_main_process", lambda: True)
+    for orphan in (pickle.loads(alone), copy.deepcopy(check)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="liger_ddp_patch"):
+            assert orphan.target(trainer.args, trainer.model) is None and orphan.target(None, None) is None
+        assert caplog.text.count("was copied without its Trainer, so it checks nothing") == 1, caplog.text
+    assert check.trainer is trainer  # the original is untouched
 
 
 # -- scope and honesty: real 2-rank jobs of a plain Trainer (tests/_verify_probe.py) ---------------------------------
 PROBE = str(Path(__file__).with_name("_verify_probe.py"))
 SETUPS = "ddp-liger,ddp,desync,desync-late,sparse,fsdp1,fsdp2,desync+verify"
+FAULTS = ("fault-fingerprint-r1", "fault-host-r1", "fault-device-r1", "fault-fingerprint-r0")
+ISSUE_44 = ("hetero", "rounding", "skip-once", "ignored", "unreadable", *FAULTS)
+# Ranks that differ as mixed hardware does: thread counts, and (where the CPU has more) rank 1 on AVX2 only
+HETEROGENEOUS = {"PROBE_THREADS": "1,2", "PROBE_ISA_RANK1": "avx2"}
 
 
-def verify_probe(setups: str, nproc: int = 2, env: dict | None = None) -> dict:
+def verify_probe(setups: str, nproc: int = 2, env: dict | None = None, extra: tuple[str, ...] = ()) -> dict:
     import json
     import os
     import tempfile
@@ -312,7 +398,7 @@ def verify_probe(setups: str, nproc: int = 2, env: dict | None = None) -> dict:
     full.update(env or {}, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [
         str(Path(__file__).resolve().parents[1]), full.get("PYTHONPATH")])))  # fmt: skip
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
-    proc = subprocess.run([sys.executable, *launch, PROBE, "--setup", setups, "--out", str(out)], env=full,
+    proc = subprocess.run([sys.executable, *launch, PROBE, "--setup", setups, "--out", str(out), *extra], env=full,
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     assert out.exists(), (proc.stdout + proc.stderr)[-4000:]
     return {r["setup"]: r for r in json.loads(out.read_text())["results"]}
@@ -320,8 +406,9 @@ def verify_probe(setups: str, nproc: int = 2, env: dict | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def scoped():
-    """The default environment, 2 ranks, every setup in one launch."""
-    return verify_probe(SETUPS)
+    """The default environment, 2 ranks of other thread counts (and CPU ISAs where there are two), every setup in one
+    launch; a process group that gives up after 60 s, so a rank left waiting fails the test rather than hangs it."""
+    return verify_probe(",".join([SETUPS, *ISSUE_44]), env=HETEROGENEOUS, extra=("--ddp-timeout", "60"))
 
 
 IN_SYNC = "INFO: liger_ddp_patch: gradients in sync across 2 ranks at step 0 (3 of 3 parameters compared)"
@@ -393,3 +480,78 @@ def test_strict_and_verify_n_raise_and_one_process_is_silent():
     for run in alone.values():
         assert "error" not in run and (run["collectives"], run["lines"]) == (0, []), run
     assert alone["ddp-liger"]["portable"] == {"pickle": "ok", "deepcopy": "ok"}
+
+
+# -- issue 44: never cry wolf, never hang (the same launch) -------------------------------------------------------
+def _warnings(run: dict) -> list[str]:
+    return [line for line in run["lines"] if line.startswith("WARNING")]
+
+
+@pytest.mark.ddp
+def test_heterogeneous_ranks_of_a_healthy_job_hear_nothing_wrong(scoped):
+    """Rank 1 on 2 threads (and AVX2), AdamW with clipping, 4 checkpoints: the replicas are bitwise equal, and the
+    check says so. The control: the digest before issue 44 (each weight's float sum) differs, a false alarm at
+    every checkpoint."""
+    run = scoped["hetero"]
+    assert "error" not in run and run["weights_differ"] == 0, run
+    assert run["lines"] == [IN_SYNC, WEIGHTS_IN_SYNC.replace("checkpoint-3", "checkpoint-1")], run
+    assert run["checks"]["FirstStepCheck"] == {"steps": [0], "saves": [1, 2, 3, 4]}
+    assert run["legacy_differ"] >= 1, run  # the old digest would have warned
+
+
+@pytest.mark.ddp
+def test_ranks_that_round_differently_get_one_info_line(scoped):
+    """Rank 1's AdamW is the fused kernel: every weight ends an ulp or so away from rank 0's, at every checkpoint.
+    One INFO line says so; no warning."""
+    run = scoped["rounding"]
+    assert "error" not in run and run["weights_differ"] == 3, run
+    assert run["lines"][0] == IN_SYNC and len(run["lines"]) == 2, run
+    said = run["lines"][1]
+    assert said.startswith("INFO: liger_ddp_patch: weights at checkpoint-1 differ across 2 ranks by rounding only: 3 "
+                           "of 3 parameters, at most 1 ulp apart"), said  # fmt: skip
+
+
+@pytest.mark.ddp
+def test_one_adamw_step_apart_warns_at_the_next_checkpoint(scoped):
+    """Rank 1's second update undone (AdamW at TRL's lr 1e-6): checkpoint-1 is in sync, checkpoint-2 on warn, with
+    how far apart (far beyond rounding); its control is ``hetero`` (silent)."""
+    run = scoped["skip-once"]
+    assert "error" not in run, run
+    assert run["lines"][:2] == [IN_SYNC, WEIGHTS_IN_SYNC.replace("checkpoint-3", "checkpoint-1")], run
+    warned = _warnings(run)
+    said = "WARNING: liger_ddp_patch: Weights are NOT synchronised across the 2 data-parallel ranks at checkpoint-"
+    assert [w[len(said)] for w in warned] == ["2", "3", "4"] and all(w.startswith(said) for w in warned), run
+    apart = float(warned[0].split("The copies are up to ")[1].split(" ulps")[0].replace(",", ""))
+    assert apart > 10 * ROUNDING_ULPS, warned[0]
+    assert "Likely cause: Probe (model DistributedDataParallel) is not a trainer liger_ddp_patch patches" in warned[0]
+
+
+@pytest.mark.ddp
+def test_parameters_ddp_ignores_are_not_compared(scoped):
+    """``_ddp_params_and_buffers_to_ignore = ["embed.weight"]``: DDP never averages it, so it differs across ranks;
+    the check leaves it out and counts it (before: a warning naming embed.weight, at the step and the checkpoint)."""
+    run = scoped["ignored"]
+    assert "error" not in run and run["lines"] == [IN_SYNC.replace("3 of 3", "2 of 3"),
+                                                   WEIGHTS_IN_SYNC.replace("3 of 3", "2 of 3")], run  # fmt: skip
+
+
+@pytest.mark.ddp
+def test_a_check_that_read_nothing_claims_nothing(scoped):
+    run = scoped["unreadable"]
+    assert "error" not in run and run["collectives"] == 2 and run["lines"] == [], run
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("setup", FAULTS)
+def test_a_rank_failing_inside_the_check_leaves_nobody_waiting(scoped, setup):
+    """The check fails on one rank only, in each stage: every rank still enters the one all-gather, rank 0 names the
+    rank and its error, the job trains on (before: the other rank waited until the process group's timeout)."""
+    run = scoped[setup]
+    _, stage, rank = setup.split("-")
+    rank = rank.removeprefix("r")
+    assert "error" not in run and run["seconds"] < 30, run  # the process group would give up after 60 s
+    why = f"(rank {rank}: RuntimeError: injected fault ({stage}, rank {rank})); nothing was compared"
+    assert run["lines"] == [
+        f"WARNING: liger_ddp_patch: the gradient-sync check could not run on rank {rank} at step 0 {why}",
+        f"WARNING: liger_ddp_patch: the weights check could not run on rank {rank} at checkpoint-3 {why}",
+    ], run

@@ -1,9 +1,11 @@
 """Runtime checks that DDP really keeps the ranks together: gradients before an optimizer step, weights at a checkpoint.
 
-Every rank reduces each parameter's gradient (or weight) to a few float64 numbers, its *fingerprint*
-(:mod:`.fingerprint`); one ``all_gather`` of the small ``[n_params, 5]`` table brings every rank's table to every rank
-(:mod:`.collective`), and all ranks compare it with rank 0's. The callbacks (:mod:`.callbacks`) decide where a check
-belongs (a DDP model; for the default check, on a Liger path) and what a disagreement does.
+Every rank reduces each parameter's gradient to a few float64 numbers, its *fingerprint*, and each weight to an
+exact integer digest of its bits (:mod:`.fingerprint`); one ``all_gather`` of the small table brings every rank's
+table, or why it could not build one, to every rank (:mod:`.collective`), and all ranks compare them. Where weights
+differ, :mod:`.distance` measures how far apart (rounding, or training apart). The callbacks (:mod:`.callbacks`)
+decide where a check belongs (a DDP model; for the default check, on a Liger path), what it compares (what DDP
+synchronises) and what a disagreement does.
 
     trainer = DPOTrainer(...)
     liger_ddp_patch.verify_gradient_sync(trainer, every=100)   # or LIGER_DDP_PATCH_VERIFY=100 for every Trainer
@@ -34,6 +36,7 @@ from .fingerprint import (
     SUM_SQ,
     compared,
     describe,
+    digest,
     disagreements,
     fingerprint,
     fingerprints,
@@ -56,6 +59,7 @@ __all__ = [
     "WeightDesyncError",
     "compared",
     "describe",
+    "digest",
     "disagreements",
     "fingerprint",
     "fingerprints",

@@ -1,16 +1,20 @@
-"""Fingerprints: a few float64 numbers per tensor that ranks can compare instead of the tensors themselves.
+"""Fingerprints: a few numbers per tensor that ranks can compare instead of the tensors themselves.
 
-Gradients. After DDP's all-reduce every rank holds bitwise-identical gradients, and the fingerprint is computed by the
-same deterministic reductions on identical bits, so on homogeneous ranks the fingerprints are bitwise equal. Ranks
-on different hardware or thread counts may sum in another order; in float64 that moves a sum by at most ~n*2**-53 of
-its scale (~1e-7 for a 10**9-element parameter, far less in practice). We accept a difference up to ``rtol`` = 1e-7
-of the parameter's L1 norm (of the sum of squares, for that column). A real desync (ranks that never all-reduced, or
-one that missed a micro-batch) differs by O(1e-3..1) of the norm: four orders of magnitude above the tolerance.
+Gradients (float64 rows, compared within a tolerance). After DDP's all-reduce every rank holds bitwise-identical
+gradients, but ranks on other hardware or thread counts may sum them in another order; in float64 that moves a sum
+by at most ~n*2**-53 of its scale (~1e-7 for a 10**9-element parameter, far less in practice). We accept a difference
+up to ``rtol`` = 1e-7 of the parameter's L1 norm (of the sum of squares, for that column). A real desync (ranks that
+never all-reduced, or one that missed a micro-batch) differs by O(1e-3..1) of the norm: four orders of magnitude
+above the tolerance.
 
-Weights (at a checkpoint). DDP broadcasts them at the start and every rank applies the same update to the same
-gradients, so they stay bitwise equal: compared exactly, on the tensor's own-precision sum (one read at memory speed;
-the gradients' float64 upcast reads ~20x slower on CPU). A desync moves every element that receives a gradient, far
-above the sum's last bit.
+Weights (int64 rows, compared exactly). DDP broadcasts them at the start and every rank applies the same update to
+the same gradients, so they stay bitwise equal, and a one-rank AdamW step at lr 1e-6 moves them by far less than any
+float tolerance would forgive. The digest is therefore exact, and it must be the same on every rank whatever its
+hardware: the sum of the tensor's raw bits read as 64-bit integers, modulo 2**64. Integer addition is associative
+and commutative, so no thread count, SIMD width, SM count or ``torch.compile`` can change it (a float sum can: a
+4M-element fp32 sum gives -28.62053108 on 1 thread and -28.62053680 on 2); it reads the weight once, at the speed of
+a float sum. Two different weights collide only if their differences cancel exactly modulo 2**64. Where digests
+differ, :mod:`.distance` measures how far apart the ranks really are.
 
 A tensor that cannot be read the same way on every rank (sparse, a ``DTensor`` shard, meta, a tensor subclass,
 anything that raises) is marked *not compared*, never guessed at. ``NaN`` equals ``NaN``; ``inf`` the same ``inf``.
@@ -26,6 +30,8 @@ import torch
 # Columns. PRESENT: GRAD = a value, NONE = no gradient, SKIPPED = not readable here (not compared).
 PRESENT, SUM, ABS_SUM, SUM_SQ, SAMPLED_DOT = range(5)
 COLUMNS = 5
+DIGEST = 1  # the weights' table: PRESENT, DIGEST
+WEIGHT_COLUMNS = 2
 GRAD, NONE, SKIPPED = 1.0, 0.0, -1.0
 DEFAULT_RTOL = 1e-7
 HINT = (
@@ -35,6 +41,7 @@ HINT = (
 _SAMPLES = 64  # fixed-index samples per tensor for the weighted dot (catches permuted gradients)
 _CHUNK = 1 << 24  # elements upcast to float64 at a time on a GPU: bounds the temporary memory to 128 MiB
 _CPU_CHUNK = 1 << 18  # on CPU: 2 MiB, so the three reductions read the upcast chunk from cache (about 3x faster)
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.int8)  # the widest that tiles the tensor's bytes is read
 
 
 @functools.lru_cache(maxsize=256)
@@ -95,50 +102,72 @@ def fingerprint(grad: torch.Tensor | None) -> torch.Tensor:
         return _skipped()
 
 
-def _own_sum(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight's sum in its own precision (fp32 for half types), or ``None``: not readable alike on every rank."""
+def words(flat: torch.Tensor) -> torch.Tensor:
+    """``flat``'s bytes as the widest signed integers that tile them (a view: nothing is copied)."""
+    for word in _WORDS:
+        try:
+            return flat.view(word)
+        except RuntimeError:  # bytes not a multiple of the width, or an offset not aligned to it
+            continue
+    raise TypeError(f"cannot read a {flat.dtype} tensor as integers")
+
+
+def digest(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight's raw bits summed as integers modulo 2**64 (an int64 scalar on its device), or ``None``: not
+    readable alike on every rank. Exact and independent of summation order (see the module's docstring)."""
     try:
         if not readable(weight):
             return None
-        flat = weight.detach().reshape(-1)
-        return flat.sum(dtype=torch.float32) if flat.element_size() < 4 else flat.sum()
+        flat = weight.detach().reshape(-1)  # logical order: a non-contiguous weight is read as its values are laid out
+        return words(flat).sum(dtype=torch.int64)
     except Exception:
         return None
 
 
-def weight_table(weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[len(weights), COLUMNS]`` float64 on the CPU, for an exact comparison: present and the own-precision sum.
+def weight_fingerprint(weight: torch.Tensor) -> torch.Tensor:
+    """``[WEIGHT_COLUMNS]`` int64: present and the exact digest (:func:`digest`)."""
+    found = digest(weight)
+    if found is None:
+        return torch.tensor([int(SKIPPED), 0], dtype=torch.int64)
+    return torch.stack([torch.ones_like(found), found])
 
-    One read of each weight and one small copy for them all: at a checkpoint the sums are the cost (a weight that
-    moved on one rank moves its sum; permutations, which the gradients' sampled dot is for, are not how weights
-    drift)."""
-    sums = [_own_sum(w) for w in weights]
-    out = torch.zeros(len(weights), COLUMNS, dtype=torch.float64)
-    read = [i for i, s in enumerate(sums) if s is not None]
-    out[:, PRESENT] = SKIPPED
-    if read:
-        out[read, PRESENT] = GRAD
-        out[read, SUM] = torch.stack([sums[i].to(torch.float64) for i in read]).cpu()
+
+def _stacked(rows: list[torch.Tensor], device: torch.device | str, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` (each on its tensor's device) as one table on ``device``: one stack and one copy per device the rows
+    are on, so that on a GPU the check waits on the host once, not once per row."""
+    out = torch.zeros(len(rows), columns, dtype=dtype, device=device)
+    by_device: dict[torch.device, list[int]] = {}
+    for index, row in enumerate(rows):
+        by_device.setdefault(row.device, []).append(index)
+    for indices in by_device.values():
+        out[indices] = torch.stack([rows[i] for i in indices]).to(device)
     return out
 
 
-def weight_fingerprint(weight: torch.Tensor) -> torch.Tensor:
-    """One weight's row of :func:`weight_table`."""
-    return weight_table([weight])[0]
-
-
-def table(tensors: Sequence[torch.Tensor | None], device: torch.device | str = "cpu", weights: bool = False):
-    """``[len(tensors), COLUMNS]`` float64 on ``device`` (gradients: a small copy per row, no host synchronisation)."""
-    if weights:
-        return weight_table(tensors).to(device)
-    if not tensors:
-        return torch.zeros(0, COLUMNS, dtype=torch.float64, device=device)
-    return torch.stack([fingerprint(t).to(device) for t in tensors])
+def table(
+    tensors: Sequence[torch.Tensor | None],
+    device: torch.device | str = "cpu",
+    weights: bool = False,
+    compare: Sequence[bool] | None = None,
+) -> torch.Tensor:
+    """``[len(tensors), COLUMNS]`` float64 of gradient fingerprints, or with ``weights`` ``[len(tensors),
+    WEIGHT_COLUMNS]`` int64 of weight digests, on ``device``. ``compare[i]`` false: row ``i`` is not read (marked not
+    compared), as for a parameter DDP does not synchronise."""
+    read = fingerprint if not weights else weight_fingerprint
+    width, dtype = (WEIGHT_COLUMNS, torch.int64) if weights else (COLUMNS, torch.float64)
+    skipped = torch.tensor([SKIPPED] + [0] * (width - 1), dtype=dtype)
+    rows = [read(t) if compare is None or compare[i] else skipped for i, t in enumerate(tensors)]
+    return _stacked(rows, device, width, dtype)
 
 
 def fingerprints(grads: Sequence[torch.Tensor | None], device: torch.device | str = "cpu") -> torch.Tensor:
     """The gradients' table (:func:`table`)."""
     return table(grads, device)
+
+
+def weight_table(weights: Sequence[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
+    """The weights' table (:func:`table`)."""
+    return table(weights, device, weights=True)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, rtol: float) -> torch.Tensor:
@@ -152,24 +181,30 @@ def compared(gathered: torch.Tensor) -> int:
 
 
 def disagreements(gathered: torch.Tensor, rtol: float = DEFAULT_RTOL) -> dict[int, list[int]]:
-    """``{row: [ranks whose fingerprint differs from rank 0's]}`` for a ``[world, n, COLUMNS]`` table.
+    """``{row: [ranks whose fingerprint differs from rank 0's]}`` for a ``[world, n, columns]`` table.
 
     A row some rank could not read is not compared (see :func:`compared`); one rank holding a gradient where
-    another holds none is a difference. ``rtol=0``: exact (weights)."""
-    gathered = gathered.detach().to("cpu", torch.float64)
+    another holds none is a difference. An int64 table (weights) is compared exactly, whatever ``rtol`` says."""
+    exact = not gathered.is_floating_point()
+    gathered = gathered.detach().cpu()
+    if not exact:
+        gathered = gathered.to(torch.float64)
     ref = gathered[0]
     readable_everywhere = (gathered[:, :, PRESENT] != SKIPPED).all(dim=0)
     out: dict[int, list[int]] = {}
     for rank in range(1, gathered.shape[0]):
         other = gathered[rank]
         ok = ref[:, PRESENT] == other[:, PRESENT]
-        scale = torch.maximum(ref[:, ABS_SUM].abs(), other[:, ABS_SUM].abs())
-        values = (
-            _close(ref[:, SUM], other[:, SUM], scale, rtol)
-            & _close(ref[:, ABS_SUM], other[:, ABS_SUM], scale, rtol)
-            & _close(ref[:, SUM_SQ], other[:, SUM_SQ], torch.maximum(ref[:, SUM_SQ], other[:, SUM_SQ]), rtol)
-            & _close(ref[:, SAMPLED_DOT], other[:, SAMPLED_DOT], 2 * scale, rtol)
-        )
+        if exact:
+            values = (ref[:, 1:] == other[:, 1:]).all(dim=1)
+        else:
+            scale = torch.maximum(ref[:, ABS_SUM].abs(), other[:, ABS_SUM].abs())
+            values = (
+                _close(ref[:, SUM], other[:, SUM], scale, rtol)
+                & _close(ref[:, ABS_SUM], other[:, ABS_SUM], scale, rtol)
+                & _close(ref[:, SUM_SQ], other[:, SUM_SQ], torch.maximum(ref[:, SUM_SQ], other[:, SUM_SQ]), rtol)
+                & _close(ref[:, SAMPLED_DOT], other[:, SAMPLED_DOT], 2 * scale, rtol)
+            )
         ok &= values | (ref[:, PRESENT] != GRAD)  # no gradient on both: nothing more to compare
         ok |= ~readable_everywhere
         for index in torch.nonzero(~ok).flatten().tolist():
@@ -186,8 +221,10 @@ def describe(
     what: str = "Gradients",
     hint: str = HINT,
     where: str | None = None,
+    reference: int = 0,
 ) -> str:
-    """The message for :func:`disagreements`' answer (``where``: instead of "at optimizer step N")."""
+    """The message for :func:`disagreements`' answer (``where``: instead of "at optimizer step N"; ``reference``: the
+    rank the others were compared with)."""
     listed = [names[i] for i in sorted(bad)]
     ranks = sorted({r for rs in bad.values() for r in rs})
     shown = ", ".join(listed[:first]) + (f" (+{len(listed) - first} more)" if len(listed) > first else "")
@@ -195,6 +232,6 @@ def describe(
         where = f"at optimizer step {step}" if step is not None else "at this optimizer step"
     return (
         f"{what} are NOT synchronised across the {world} data-parallel ranks {where}: "
-        f"{len(listed)} of {len(names)} parameters differ between rank 0 and rank{'s' if len(ranks) > 1 else ''} "
-        f"{', '.join(map(str, ranks))}: {shown}. {hint}"
+        f"{len(listed)} of {len(names)} parameters differ between rank {reference} and "
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {shown}. {hint}"
     ).rstrip()
