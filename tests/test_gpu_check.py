@@ -17,13 +17,15 @@ sys.path.insert(0, str(SCRIPT.parent))
 
 import gpu_check  # noqa: E402
 
-# (c) as the prepared GPU call runs it: the default beside one_pass=1 (issue 39 item 4), TRL's float32 reference and
-# a bf16 ref_model in one call (issue 32 item 4; the patched rows' ratios are against the patched row of the same
-# reference). Four KTO launches (each 11-18 s on 2 cores, 2026-12-07): Liger-off and the upgrades at TRL's own
-# reference are the same launches as their bf16-reference arms but for the reference, and test_bench_step runs
-# Liger-off already. The upgrade launched is the newest (TRL 1.16, issue 45), in place of TRL 1.14's, not beside it:
-# the two are one code path with another TRL folder (bench_step.arm_env), and part (a) runs both releases' heads.
-SMOKE_ARMS = "patched,patched_onepass,patched+bf16ref,trl116+bf16ref"
+# (c) as the prepared GPU call runs it: TRL's float32 reference and a bf16 ref_model in one call (issue 32 item 4; the
+# patched rows' ratios are against the patched row of the same reference). Three KTO launches (each 11-18 s on 2
+# cores, 2026-12-07): Liger-off and the upgrades at TRL's own reference are the same launches as their bf16-reference
+# arms but for the reference, and test_bench_step runs Liger-off already. The upgrade launched is the newest (TRL
+# 1.16, issue 45), in place of TRL 1.14's: one code path with another TRL folder (bench_step.arm_env), bracketed by
+# TRL 1.12's launches; part (a) runs both releases' heads, in a second process (7.5 CPU-s). That process is paid for
+# by patched_onepass's launch, which at these sizes runs the very path of patched (every row fits a token chunk:
+# "0.00 (one-pass)" for both); its setting, row check and target line are unit-tested below.
+SMOKE_ARMS = "patched,patched+bf16ref,trl116+bf16ref"
 # (b) on TRL 1.12.0 alone: its two-node launches are test_launchers' (the same harness function), and 1.8.0's crash
 # in DDP is test_matrix's (real vocabulary, every CI run): two two-node launches, not the GPU call's four (~10 s less)
 SMOKE_DDP_TRL = "1.12.0"
@@ -52,7 +54,6 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     assert "(c) one whole DDP training step" in proc.stdout and "kto     patched" in proc.stdout, proc.stdout
     assert "x the GEMM floor" in proc.stdout and "(a floor)" in proc.stdout, proc.stdout  # (a): ours vs the floor
     assert "kto patched+bf16ref/trl116+bf16ref: time" in proc.stdout, proc.stdout
-    assert "kto patched/patched_onepass: time" in proc.stdout, proc.stdout  # the default against one_pass=1
     assert "all rows pass" in proc.stdout, proc.stdout[-3000:]
     # --memory: one more step per launch, not timed (the rows above still count 1 + 2 steps); on CPU the profiler's
     # allocation events are replayed (_memory.cpu_replay), so every arm's step reports its peak by site
@@ -63,7 +64,7 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     assert check_rows_strict(report) == []
     assert report["info"]["ddp_trl"] == [SMOKE_DDP_TRL] and {r["trl"] for r in report["b"]} == {SMOKE_DDP_TRL}
     settings = {r["arm"]: r.get("loss_setting") for r in report["c"]}
-    assert settings["patched_onepass"] == "one_pass=1" and settings["patched"] is None, settings
+    assert settings["patched"] is None and settings["trl116+bf16ref"] is None, settings
     # issue 45: each upgrade's head ran in a process of its own release; TRL 1.16's step ran TRL 1.16.0
     assert {r["arm"] for r in report["a"]} >= set(gpu_check.UPGRADES), report["a"]
     assert sorted(p.name for p in tmp_path.glob("part_a-*.json")) == ["part_a-1.14.0.json", "part_a-1.16.0.json"]
@@ -237,12 +238,19 @@ def test_part_a_runs_each_release_in_a_process_of_its_own():
 
 def test_onepass_arm_runs_the_package_with_one_pass_set():
     """patched_onepass's ranks get ``LIGER_DDP_PATCH_LOSS=one_pass=1`` and the package (bench_step's arm), what
-    check_rows expects of its row."""
+    check_rows expects of its row; targets() reports the default against it, not as a target (the line the CPU smoke
+    checked while it launched the arm)."""
     import bench_step
 
     env = bench_step.arm_env("patched_onepass", 1, {}, {})
     assert env["LIGER_DDP_PATCH_LOSS"] == gpu_check.LOSS_SETTING["patched_onepass"] == "one_pass=1", env
     assert "LIGER_DDP_PATCH_DISABLE" not in env, env
+    c = _passing_report()["c"]
+    next(r for r in c if (r["trainer"], r["arm"]) == ("kto", "patched_onepass")).update(patched_time=1.05,
+                                                                                       patched_mem=0.9)  # fmt: skip
+    assert "kto patched/patched_onepass: time 1.05 (the default against one_pass=1), peak memory 0.90" in (
+        gpu_check.targets(c)
+    )
 
 
 def _fake_wheel(folder: Path, name: str, version: str) -> Path:
