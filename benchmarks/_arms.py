@@ -13,10 +13,18 @@ rows labelled desirable / undesirable alternately, a scalar ``kl`` of 0.1.  ``ma
             in ``ARMS``, and where Triton cannot run it is ``ours`` again, with a warning)
   liger     liger_kernel.chunked_loss.LigerFusedLinearDPOLoss / LigerFusedLinearKTOLoss(compiled=False)
   liger_c   the same with compiled=True (torch.compile: inductor on CPU, Triton on a GPU)
-  trl114    (DPO only) TRL 1.14.0's own chunked log-prob path, the one upstream replaced the fused loss with:
-            ``_ChunkedLogProbFunction`` in trl/trainer/utils.py, called as DPOTrainer._get_per_token_logps_and_entropies
-            (trl/trainer/dpo_trainer.py) calls it: boolean-masked hidden states, vocabulary chunk
-            ``_CHUNKED_LOGPROB_CHUNK_SIZE = 8192``; needs TRL 1.14 first on sys.path
+  trl114,   the upgrades' own head paths, one arm per release (``_upgrades.UPGRADES``), DPO and KTO, each from its
+  trl116    TRL release first on sys.path.  ``chunked_logprob`` (trl114: TRL 1.14.0, the path upstream replaced the
+            fused loss with): ``_ChunkedLogProbFunction`` in trl/trainer/utils.py, called as DPOTrainer
+            (dpo_trainer.py:1246) and KTOTrainer (kto_trainer.py:1301) call it: boolean-masked hidden states,
+            vocabulary chunk ``_CHUNKED_LOGPROB_CHUNK_SIZE = 8192``.  ``fused_lm_head`` (trl116: TRL 1.15+, here
+            1.16.0): a model forward patched by ``add_fused_lm_head`` (trl/trainer/utils.py:1548) with the outputs
+            DPOTrainer / KTOTrainer ask of the policy (dpo_trainer.py:957-960, kto_trainer.py:967-970; of the
+            reference: log-probs alone), called with ``fused_lm_head=True`` and the benchmark's targets as
+            ``shift_labels`` (scored without a shift), the per-token log-probs summed per row as the trainers do.  Its
+            tiles (trl/kernels/chunked_logprob.py) are Triton kernels over the completion tokens on CUDA/XPU, torch ops
+            over every position elsewhere (trl/trainer/utils.py:1640-1648): on CPU it projects the prompt's positions
+            too, as TRL 1.16 does there
   mat       materialised logits: h @ W.T, log_softmax in fp32, gather, plain autograd
   gemm      only the GEMMs no exact loss can avoid, over the tokens with loss (policy logits, grad-input,
             grad-weight, reference logits), token-chunked like ours, in the input dtype: a floor, not a loss
@@ -24,15 +32,24 @@ rows labelled desirable / undesirable alternately, a scalar ``kl`` of 0.1.  ``ma
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
+from _upgrades import UPGRADES
 
 IGNORE = -100
 BETA = 0.1
 TRL114_VOCAB_CHUNK = 8192  # trl 1.14.0, trl/trainer/dpo_trainer.py: _CHUNKED_LOGPROB_CHUNK_SIZE
 KL = 0.1
-ARMS = ("ours", "ours_2p", "liger", "liger_c", "trl114", "mat", "gemm")
-KTO_ARMS = ("ours", "ours_2p", "liger", "liger_c", "mat", "gemm")
+ARMS = ("ours", "ours_2p", "liger", "liger_c", *UPGRADES, "mat", "gemm")
+KTO_ARMS = ARMS
+# fused_lm_head: the per-token outputs each trainer asks of its policy's head (TRL 1.16.0, dpo_trainer.py:957,
+# kto_trainer.py:969); of the reference's head, log-probs alone (add_fused_lm_head's default)
+FUSED_OUTPUTS = {
+    "dpo": ("log_probs", "entropy", "mean_logits", "is_top1"),
+    "kto": ("log_probs", "entropy", "mean_logits"),
+}
 
 
 def make_inputs(B, L, H, V, prompt_frac, dtype=torch.float32, device="cpu", seed=0, w_scale=0.02):
@@ -80,6 +97,8 @@ def _with_backward(loss_fn):
 
 def make_step(arm, x, token_chunk_size=None, kind="dpo"):
     h, w, rh, rw, t = x["h"], x["w"], x["rh"], x["rw"], x["t"]
+    if arm in UPGRADES:
+        return _upgrade_step(arm, x, kind)
     if kind == "kto" and arm in ("ours", "ours_tri", "ours_2p", "liger", "liger_c"):
         return _kto_step(arm, x, token_chunk_size)
     if arm in ("ours", "ours_tri", "ours_2p"):
@@ -92,23 +111,12 @@ def make_step(arm, x, token_chunk_size=None, kind="dpo"):
 
         fn = LigerFusedLinearDPOLoss(compiled=arm == "liger_c")
         return _with_backward(lambda: fn(w, h, t, None, rh, rw, None)[0])
-    if kind == "kto" and arm == "trl114":
-        raise ValueError("trl114 is a DPO arm")
     mask = t != IGNORE
     if arm == "mat":
 
         def seq_logps(hid, wt):
             logp = F.log_softmax((hid @ wt.t()).float(), dim=-1)
             return (logp.gather(-1, t.clamp_min(0).unsqueeze(-1)).squeeze(-1) * mask).sum(-1)
-
-    elif arm == "trl114":
-        from trl.trainer.utils import _ChunkedLogProbFunction
-
-        rows, labels = mask.nonzero()[:, 0], t[mask]
-
-        def seq_logps(hid, wt):
-            logp, _ = _ChunkedLogProbFunction.apply(hid[mask], wt, None, labels, 1.0, TRL114_VOCAB_CHUNK, None, 1.0)
-            return torch.zeros(t.shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
 
     elif arm == "gemm":
         return _gemm_floor(x, token_chunk_size)
@@ -121,6 +129,80 @@ def make_step(arm, x, token_chunk_size=None, kind="dpo"):
         return (kto if kind == "kto" else dpo_sigmoid)(seq_logps(h, w), ref)
 
     return _with_backward(loss)
+
+
+def _upgrade_step(arm, x, kind):
+    """An upgrade's own head path for the policy and the reference (``_upgrades.UPGRADES``), then the same loss as
+    ``mat``; TRL is the release first on sys.path, which must be the arm's."""
+    import trl
+
+    release, head = UPGRADES[arm]
+    if trl.__version__ != release:
+        raise RuntimeError(f"{arm} needs TRL {release} first on sys.path, found TRL {trl.__version__} ({trl.__file__})")
+    h, w, rh, rw, t = x["h"], x["w"], x["rh"], x["rw"], x["t"]
+    if head == "chunked_logprob":
+        pol = ref = _chunked_logprob(t)
+    elif head == "fused_lm_head":
+        pol, ref = _fused_lm_head(h, w, t, FUSED_OUTPUTS[kind]), _fused_lm_head(rh, rw, t, ("log_probs",))
+    else:
+        raise ValueError(f"{arm}: unknown head path {head!r}")
+
+    def loss():
+        with torch.no_grad():
+            ref_logps = ref(rh, rw)
+        return (kto if kind == "kto" else dpo_sigmoid)(pol(h, w), ref_logps)
+
+    return _with_backward(loss)
+
+
+def _chunked_logprob(t):
+    """TRL 1.14: the completion tokens' hidden states through ``_ChunkedLogProbFunction``, summed per row."""
+    from trl.trainer.utils import _ChunkedLogProbFunction
+
+    mask = t != IGNORE
+    rows, labels = mask.nonzero()[:, 0], t[mask]
+
+    def seq_logps(hid, wt):
+        logp, _ = _ChunkedLogProbFunction.apply(hid[mask], wt, None, labels, 1.0, TRL114_VOCAB_CHUNK, None, 1.0)
+        return torch.zeros(t.shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
+
+    return seq_logps
+
+
+class _HeadOnly:
+    """What ``add_fused_lm_head`` reads of a causal LM: a config that is its own text config (no logit softcapping,
+    no logit scale), a backbone (``base_model``) whose last hidden states are the benchmark's, and the output
+    embedding (the benchmark's weight, no bias)."""
+
+    def __init__(self, hidden, weight):
+        self.config, self._hidden = self, hidden
+        self._head = SimpleNamespace(weight=weight, bias=None)
+
+    def get_text_config(self):
+        return self
+
+    def get_output_embeddings(self):
+        return self._head
+
+    def base_model(self, **_kwargs):
+        return SimpleNamespace(last_hidden_state=self._hidden)
+
+    def forward(self, **_kwargs):
+        raise NotImplementedError("only the fused LM head (fused_lm_head=True) is benchmarked")
+
+
+def _fused_lm_head(hidden, weight, t, outputs):
+    """TRL 1.15+: a model's forward as the trainers patch it, called as they call it, summed per row."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = _HeadOnly(hidden, weight)
+    add_fused_lm_head(model, outputs=outputs)
+
+    def seq_logps(hid, wt):
+        assert hid is hidden and wt is weight  # the model was built on them
+        return model.forward(fused_lm_head=True, shift_labels=t).log_probs.sum(-1)
+
+    return seq_logps
 
 
 def _sweep(arm):

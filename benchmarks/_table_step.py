@@ -7,6 +7,10 @@ drifts from them. Plain ``json`` and ``re``: no torch, no matplotlib.
 
 A new measurement is a results folder plus one ``Spec`` here (or a changed ``raw`` of the spec it replaces), then
 ``python3 benchmarks/plot_step.py`` (the figure) and ``--table`` (the block to paste into the README).
+
+The ratios are against TRL 1.14, the first upgrade; a raw file that also ran a newer one (``_upgrades.UPGRADES``:
+``trl116``, issue 45) gives its row that release's ratios too, and the table a column pair ``÷ TRL 1.16`` once any
+row has them (the figure still draws TRL 1.14's).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from _upgrades import UPGRADES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FIGURE = "docs/step_vs_trl114.png"  # from the repository root
@@ -76,6 +82,11 @@ class Row:
     mem_off: float | None
     time_trl: float
     mem_trl: float
+    # each newer upgrade the raw file ran (trl116, ...): (label, s, peak GiB, patched/it time, patched/it memory)
+    newer: tuple[tuple[str, float, float, float, float], ...] = ()
+
+
+NEWER = tuple(UPGRADES)[1:]  # the upgrades after TRL 1.14 (Row's trl_* fields)
 
 
 def machine(header: str) -> tuple[str, str]:
@@ -96,10 +107,12 @@ def _cpu_row(spec: Spec, data: dict) -> Row:
     arms, ratios = row["arms"], row["ratios"]
     off = arms.get("off") or {}
     name, date = machine(data["header"])
+    newer = tuple((UPGRADES[a].label, arms[a]["s"], arms[a]["peak_gib"], ratios[f"time/{a}"], ratios[f"mem/{a}"])
+                  for a in NEWER if "s" in arms.get(a, {}) and ratios.get(f"time/{a}") is not None)  # fmt: skip
     return Row(f"CPU {spec.dtype}", spec.trainer.upper(), spec.L, name, date, spec.note, spec.raw,
                arms["patched"]["s"], arms["patched"]["peak_gib"], off.get("s"), off.get("peak_gib"),
                arms["trl114"]["s"], arms["trl114"]["peak_gib"], ratios.get("time/off"), ratios.get("mem/off"),
-               ratios["time/trl114"], ratios["mem/trl114"])  # fmt: skip
+               ratios["time/trl114"], ratios["mem/trl114"], newer)  # fmt: skip
 
 
 def _gpu_row(spec: Spec, data: dict) -> Row:
@@ -109,9 +122,12 @@ def _gpu_row(spec: Spec, data: dict) -> Row:
     mine, off, trl = arms["patched"], arms.get("off", {}), arms["trl114"]
     gpu = data["info"]["device_name"].removeprefix("NVIDIA ")
     date = re.search(r"\d{4}-\d\d-\d\d", spec.raw).group(0)  # gpu_check.json keeps no date: its folder's
+    newer = tuple((UPGRADES[a].label, arms[a]["s"], arms[a]["peak_gib"], arms[a]["patched_time"],
+                   arms[a]["patched_mem"]) for a in NEWER if "patched_time" in arms.get(a, {}))  # fmt: skip
     return Row(f"{gpu} {spec.dtype}", spec.trainer.upper(), spec.L, gpu, date, spec.note, spec.raw,
                mine["s"], mine["peak_gib"], off.get("s"), off.get("peak_gib"), trl["s"], trl["peak_gib"],
-               off.get("patched_time"), off.get("patched_mem"), trl["patched_time"], trl["patched_mem"])  # fmt: skip
+               off.get("patched_time"), off.get("patched_mem"), trl["patched_time"], trl["patched_mem"],
+               newer)  # fmt: skip
 
 
 def rows(specs=SPECS, results: Path = RESULTS) -> list[Row]:
@@ -170,22 +186,33 @@ def _when(pair: list[Row | None]) -> str:
 
 
 def table(found: list[Row] | None = None) -> str:
-    """The README's block, markers included: one line per configuration, each cell ``DPO / KTO``."""
+    """The README's block, markers included: one line per configuration, each cell ``DPO / KTO``; a ``÷ TRL 1.16``
+    column after each ``÷ TRL 1.14`` once a row has that upgrade's ratios (``Row.newer``)."""
     found = rows() if found is None else found
+    labels = [
+        u.label for a, u in UPGRADES.items() if a in NEWER and any(n[0] == u.label for r in found for n in r.newer)
+    ]
+    more = "".join(f" ÷ {label} |" for label in labels)
     lines = [
         BEGIN,
-        "| setup | L | step s | ÷ Liger-off | ÷ TRL 1.14 | peak GiB/rank | ÷ Liger-off | ÷ TRL 1.14 | measured |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        f"| setup | L | step s | ÷ Liger-off | ÷ TRL 1.14 |{more} peak GiB/rank | ÷ Liger-off | ÷ TRL 1.14 |{more} "
+        "measured |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(labels) + "---:|---:|---:|" + "---:|" * len(labels) + "---|",
     ]
     for (setup, L), pair in groups(found):
 
         def get(field, pair=pair):
             return [None if r is None else getattr(r, field) for r in pair]
 
+        def newer(label, at, pair=pair):  # at: 3 the time ratio, 4 the memory ratio
+            return [next((n[at] for n in r.newer if n[0] == label), None) if r else None for r in pair]
+
+        times = "".join(f" {_cell(newer(label, 3), misses=True)} |" for label in labels)
+        peaks = "".join(f" {_cell(newer(label, 4), misses=True)} |" for label in labels)
         lines.append(
             f"| {setup} | {L:,} | {_cell(get('s'))} | {_cell(get('time_off'), misses=True)} "
-            f"| {_cell(get('time_trl'), misses=True)} | {_cell(get('peak'))} | {_cell(get('mem_off'), misses=True)} "
-            f"| {_cell(get('mem_trl'), misses=True)} | {_when(pair)} |"
+            f"| {_cell(get('time_trl'), misses=True)} |{times} {_cell(get('peak'))} "
+            f"| {_cell(get('mem_off'), misses=True)} | {_cell(get('mem_trl'), misses=True)} |{peaks} {_when(pair)} |"
         )
     return "\n".join([*lines, END])
 

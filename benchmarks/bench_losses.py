@@ -12,9 +12,11 @@ counts sequences (DPO: chosen and rejected stacked, as TRL hands them to the los
 ``prompt`` fraction of every row is ignore_index.  The arms are described in ``_arms.py``: ours (the one-pass
 path), ours_2p (the same with the one-pass path off: the two-pass path, "before"),
 Liger fused (compiled=False and compiled=True:
-inductor works on this CPU), TRL 1.14's chunked log-prob path (``_ChunkedLogProbFunction``, trl/trainer/utils.py
-of an unpacked 1.14.0 wheel in ``$LIGER_DDP_PATCH_TRL_DIRS/1.14.0``, default .cache/trl/1.14.0), materialised
-logits and the GEMM-only floor (TRL 1.14 is a DPO arm only).  ``--prev DIR`` adds the arm ``prev``: ours from an
+inductor works on this CPU), the upgrades' head paths (``_upgrades.UPGRADES``, one arm per release, DPO and KTO:
+``trl114``, TRL 1.14's chunked log-prob path, ``_ChunkedLogProbFunction`` in trl/trainer/utils.py; ``trl116``, TRL
+1.16's fused LM head, ``add_fused_lm_head``, which on CPU runs its torch tiles over every position; each from the
+unpacked wheel in ``$LIGER_DDP_PATCH_TRL_DIRS/<release>``, default .cache/trl/<release>), materialised
+logits and the GEMM-only floor.  ``--prev DIR`` adds the arm ``prev``: ours from an
 earlier checkout of the package (``git worktree add DIR <commit>``), so that a change's before and after come from
 one interleaved run (``ours/prev``, and both against the floor in the last table).
 
@@ -39,6 +41,8 @@ import sys
 import threading
 import time
 
+from _upgrades import UPGRADES
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 H, V = 896, 32000
@@ -46,10 +50,9 @@ SIZES = [(4, 512), (2, 2048)]
 DTYPES = ["float32", "bfloat16"]
 FRACS = [0.5, 0.0]
 KINDS = ["dpo", "kto"]
-ARMS = ["ours", "ours_2p", "liger", "liger_c", "trl114", "mat", "gemm"]
-PEERS = ["prev", "ours_2p", "liger", "liger_c", "trl114", "mat", "gemm"]
-MEM_PEERS = ["prev", "ours_2p", "liger", "liger_c", "trl114", "mat"]
-DPO_ONLY = {"trl114"}
+ARMS = ["ours", "ours_2p", "liger", "liger_c", *UPGRADES, "mat", "gemm"]
+PEERS = ["prev", "ours_2p", "liger", "liger_c", *UPGRADES, "mat", "gemm"]
+MEM_PEERS = ["prev", "ours_2p", "liger", "liger_c", *UPGRADES, "mat"]
 TRL_DIRS = os.environ.get("LIGER_DDP_PATCH_TRL_DIRS", os.path.join(ROOT, ".cache", "trl"))
 
 
@@ -128,8 +131,6 @@ def worker(arm, dtype, B, L, frac, reps, token_chunk_size, threads, kind, prev=N
 
 def run_worker(arm, cfg, args):
     kind, dtype, B, L, frac = cfg
-    if kind != "dpo" and arm in DPO_ONLY:
-        return None
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -151,8 +152,9 @@ def run_worker(arm, cfg, args):
     if arm == "prev":
         cmd += ["--prev", args.prev]
     env = dict(os.environ)
-    if arm == "trl114":
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(TRL_DIRS, "1.14.0"), env.get("PYTHONPATH")) if p)
+    if arm in UPGRADES:  # that release's TRL first: the arm imports its head from it
+        trl = os.path.join(TRL_DIRS, UPGRADES[arm].release)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (trl, env.get("PYTHONPATH")) if p)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         print(f"  [{arm} {cfg}] failed:\n{r.stderr[-1500:]}", file=sys.stderr)
@@ -222,7 +224,8 @@ def readme_table(configs, rounds):
     """The README's compact table: per row ours' memory against Liger's and the time ratios (medians of per-round
     ratios), ``ours/ours_2p`` being the one-pass gain ("after / before")."""
     cols = [("ours_2p", "ours/before"), ("liger", "ours/Liger"), ("liger_c", "ours/Liger compiled")]
-    cols += [("trl114", "ours/TRL 1.14"), ("mat", "ours/mat"), ("gemm", "ours/GEMM floor")]
+    cols += [(arm, f"ours/{upgrade.label}") for arm, upgrade in UPGRADES.items()]  # ours/TRL 1.14, ours/TRL 1.16
+    cols += [("mat", "ours/mat"), ("gemm", "ours/GEMM floor")]
     hdr = ["loss", "dtype", "prompt", "B x L", "path", "ours MB", "Liger MB", "ours/Liger mem", "ours/before mem"]
     hdr += [f"{name} time" for _, name in cols]
     lines = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]

@@ -22,7 +22,18 @@ order rotated every round.
   patched    TRL 1.12.0 with ``use_liger_kernel=True`` and this package imported first: the fix
   off        TRL 1.12.0 with ``use_liger_kernel=False``: TRL's own path, the full ``(B, L, V)`` logits
   trl114     TRL 1.14.0 (``.cache/trl/1.14.0`` first on ``PYTHONPATH``) with ``use_liger_kernel=True``: upstream's fix
+  trl116     TRL 1.16.0 (``.cache/trl/1.16.0``) as a user who upgrades runs it: TRL's default DPO/KTO config with the
+             job's ``use_liger_kernel=True`` kept.  Since 1.15 the flag is deprecated (a FutureWarning) and applies
+             only Liger's layer kernels, off here as in every arm; the trainers always compute the per-token
+             log-probs in the fused LM head that ``add_fused_lm_head`` patches into the model's forward
+             (trl/trainer/utils.py:1548, dpo_trainer.py:937-962, kto_trainer.py:948-972 of 1.16.0): Triton kernels
+             over the completion tokens on a GPU, torch tiles over every position (the prompt's too) on CPU.  Its
+             reference model, when TRL builds it, is loaded in the policy's dtype (dpo_trainer.py:924,
+             kto_trainer.py:935), where 1.12 and 1.14 load it in fp32
   unpatched  TRL 1.12.0 with ``use_liger_kernel=True``, no package: the broken run (no all-reduce), speed reference only
+
+The upgrades (``_upgrades.UPGRADES``: trl114, trl116, the newest last) are the peers of issue 39's "never worse" rule:
+``verdict`` checks the patched step's time against Liger-off and each of them.  The next release is one row there.
 
 Per arm: the median step time after ``--warmup`` steps (a step ends when its slower rank ends it), tokens per second
 (both ranks' sequence tokens: 2 x 2 x L per step), peak RSS per rank (``VmHWM``, the larger rank; a launch runs one
@@ -47,10 +58,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import _upgrades
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TRL_DIRS = Path(os.environ.get("LIGER_DDP_PATCH_TRL_DIRS", ROOT / ".cache" / "trl"))
-ARMS = ("patched", "off", "trl114", "unpatched")
+# the upgrades a user could take instead of the package (trl114, trl116: _upgrades.UPGRADES), each an arm
+UPGRADES = {arm: upgrade.release for arm, upgrade in _upgrades.UPGRADES.items()}
+ARMS = ("patched", "off", *UPGRADES, "unpatched")
 # beyond the default arms: the package with the loss's Triton sweep (LIGER_DDP_PATCH_LOSS=sweep=triton; a GPU's)
 # and the package without the routed autocast (LIGER_DDP_PATCH_LOSS=autocast=0: TRL 1.9-1.13's precision) or without
 # the chunked KTO KL log-probs (LIGER_DDP_PATCH_DISABLE=kto_kl_logps: TRL 1.9-1.13's whole-vocabulary KL logits)
@@ -58,7 +73,7 @@ ARMS = ("patched", "off", "trl114", "unpatched")
 # holds long pairs' (V, H) sums whatever the budget)
 EXTRA_ARMS = ("patched_triton", "patched_noautocast", "patched_fullkl", "patched_onepass")
 TRL_OF = {"patched": "1.12.0", "patched_triton": "1.12.0", "patched_noautocast": "1.12.0", "patched_fullkl": "1.12.0",
-          "patched_onepass": "1.12.0", "off": "1.12.0", "trl114": "1.14.0", "unpatched": "1.12.0"}  # fmt: skip
+          "patched_onepass": "1.12.0", "off": "1.12.0", **UPGRADES, "unpatched": "1.12.0"}  # fmt: skip
 TRAINERS = ("dpo", "kto")
 DTYPES = ("fp32", "bf16", "mixed")
 PROMPTS = (0.5, 0.0)
@@ -239,9 +254,12 @@ def worker(args) -> None:
         # the package's loss says which path its last call took and what its one-pass plan holds (issue 39)
         ours = [v for v in vars(trainer).values() if hasattr(v, "last_held") and hasattr(v, "last_path")]
         held = dict(ours[0].last_held or {}, path=ours[0].last_path) if ours else None
+        # the reference model's dtype: TRL 1.12 and 1.14 build it in fp32, 1.16 in the policy's dtype
+        ref = getattr(trainer, "ref_model", None)
+        ref_dtype = str(next(ref.parameters()).dtype).removeprefix("torch.") if ref is not None else None
         # seqs: the sequences the policy trains on per rank (a DPO pair is two; KTO's KL rows are not counted)
         mine = dict(times=times, cpu=cpu, base=state.get("base"), peak=peak, losses=losses, world=world, seqs=2 * batch
-                    if args.trainer == "dpo" else batch, held=held)  # fmt: skip
+                    if args.trainer == "dpo" else batch, held=held, ref_dtype=ref_dtype)  # fmt: skip
         ranks = [None] * world
         dist.all_gather_object(ranks, mine)
         result.update(ranks=ranks)
@@ -351,8 +369,10 @@ def _tree_rss(pid: int) -> int:
 
 
 def trl_dirs(args) -> dict[str, str]:
-    """Where each arm's TRL comes from: the installed 1.12.0 (or ``.cache/trl/1.12.0``), ``.cache/trl/1.14.0``."""
-    return {"1.12.0": str(TRL_DIRS / "1.12.0") if args.trl112_from_cache else "", "1.14.0": str(TRL_DIRS / "1.14.0")}
+    """Where each arm's TRL comes from: the installed 1.12.0 (or ``.cache/trl/1.12.0``), ``.cache/trl/<release>``
+    for each upgrade."""
+    found = {release: str(TRL_DIRS / release) for release in UPGRADES.values()}
+    return {"1.12.0": str(TRL_DIRS / "1.12.0") if args.trl112_from_cache else "", **found}
 
 
 def arm_env(arm: str, threads: int, paths: dict, environ=None) -> dict:
@@ -522,9 +542,10 @@ def held_cell(held: dict | None) -> str:
 
 
 def verdict(row: dict) -> str:
-    """The issue's targets: patched no slower than off and trl114; at L >= 2048 peak memory <= 0.5x off's."""
+    """The issue's targets: patched no slower than off and than each upgrade (trl114, trl116); at L >= 2048 peak
+    memory <= 0.5x off's."""
     out = []
-    for peer in ("off", "trl114"):
+    for peer in ("off", *UPGRADES):
         v = row["ratios"].get(f"time/{peer}")
         out.append(f"{'?' if v is None else ('ok' if v <= 1.0 else 'MISS')} time/{peer}")
     if row["L"] >= 2048:

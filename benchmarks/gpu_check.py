@@ -9,10 +9,12 @@ step, in <= 9 minutes (one call of <= 10).
 (a) DPO head loss, bf16, V=151,936, H=3,584, B=16, L=512 (8 pairs: each pair fits one token chunk), 50 % and 0 %
     prompt: ours (one pass), ours with a token chunk of L / 2 (``ours_long``: every pair longer than a chunk, still
     one pass) vs ours with the one-pass path off (``ours_2p``) vs Liger
-    fused (compiled=True) vs TRL 1.14's chunked log-prob path vs materialised logits; per arm the median step time
+    fused (compiled=True) vs the upgrades' head paths (``_upgrades.UPGRADES``: TRL 1.14's chunked log-prob path,
+    TRL 1.16's fused LM head, on a GPU its Triton kernels) vs materialised logits; per arm the median step time
     (CUDA events), ``torch.cuda.max_memory_allocated`` over the step minus what was allocated before it, the
     relative error of loss, grad-hidden and grad-weight against an fp32 materialised reference on the same values,
-    and the path the loss took (its ``grad_fn``).
+    and the path the loss took (its ``grad_fn``).  Two TRL releases cannot share a process: one process per release,
+    the arms that need no TRL in the first; on a GPU one after the other, in the CPU smoke at once.
 (b) DDP with device_ids on the GPU: two one-process "nodes" on loopback (``torchrun --nnodes=2
     --nproc_per_node=1``), both on cuda:0 with ``ddp_backend="gloo"`` (NCCL refuses two ranks on one GPU), the
     repo's test probe (tests/harness/probe.py ``--device cuda``) running one DPO and one KTO step with Liger on
@@ -21,7 +23,8 @@ step, in <= 9 minutes (one call of <= 10).
 (c) One whole DDP training step (benchmarks/bench_step.py's launches, issue #22): bf16, V=151,936, H=3,584 over 2
     Qwen2.5-7B-sized layers, L=4,096, 50 % prompt, one DPO pair / two KTO rows per rank, both ranks on cuda:0 as in
     (b); patched (the package's default) vs ``patched_onepass`` (``LIGER_DDP_PATCH_LOSS=one_pass=1``: one pass for
-    every pair, the default before issue 39) vs Liger-off vs TRL 1.14 per trainer: median step time, tokens/s, peak
+    every pair, the default before issue 39) vs Liger-off vs each upgrade (TRL 1.14, TRL 1.16 as a user who
+    upgrades runs it: bench_step.py's ``trl116``) per trainer: median step time, tokens/s, peak
     memory allocated per rank and the ratios patched / arm (the README's whole-step table reads them).  Runs last,
     each arm for every trainer before the next arm, and starts no launch once ``--budget`` is spent (nor one the
     time left could not finish: the longest launch so far).
@@ -50,12 +53,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # the GPU machine has the checkout, not an installed liger_ddp_patch
+sys.path.insert(0, str(HERE))  # _upgrades, _arms, bench_step, _memory: this folder's modules
+
+from _upgrades import UPGRADES, release_of  # noqa: E402
+
 WHEEL_DIR = ROOT / ".whl"
 TRL_CACHE = Path(os.environ.get("LIGER_DDP_PATCH_TRL_DIRS", ROOT / ".cache" / "trl"))
 # (distribution, version, import name).  What the H200 image lacks (its package list: trl, liger-kernel,
 # datasets and two of datasets' needs); the versions are the ones CI runs with.
 WHEELS = [
-    ("trl", "1.14.0", "trl"),
+    *(("trl", upgrade.release, "trl") for upgrade in UPGRADES.values()),  # the upgrades: 1.14.0, 1.16.0
     ("trl", "1.12.0", "trl"),
     ("trl", "1.8.0", "trl"),
     ("liger-kernel", "0.8.5", "liger_kernel"),
@@ -65,8 +72,9 @@ WHEELS = [
 ]
 DDP_TRL = ("1.12.0", "1.8.0")
 # (c) the whole DDP step (benchmarks/bench_step.py): Qwen2.5-7B's head (V, H) over 2 of its layers, bf16
-# the package's default beside one_pass=1 (issue 39 item 4: the README table's GPU row in one call), Liger-off, TRL 1.14
-STEP_ARMS = ("patched", "patched_onepass", "off", "trl114")
+# the package's default beside one_pass=1 (issue 39 item 4: the README table's GPU row in one call), Liger-off, the
+# upgrades (TRL 1.14, TRL 1.16)
+STEP_ARMS = ("patched", "patched_onepass", "off", *UPGRADES)
 # --step-arms may add bench_step's extra arms: patched_triton (the loss's Triton sweep), patched_noautocast (the routed
 # path before autocast, issue 32), patched_fullkl (KTO's KL logits before issue 32 item 3); any arm + BF16_REF runs
 # with a bf16 ref_model instead of TRL's own float32 reference (issue 32 item 4: both in one call)
@@ -81,7 +89,7 @@ SMOKE_STEP_TRAINERS = ("kto",)  # the CPU smoke: KTO's three launches (tests/tes
 STEP_PROMPT = 0.5
 GPU_STEP = dict(V=151_936, H=3_584, layers=2, intermediate=18_944, heads=28, kv_heads=4, head_dim=128, L=4_096)
 SMOKE_STEP = dict(V=512, H=32, layers=2, intermediate=64, heads=2, kv_heads=1, head_dim=16, L=32)
-ARMS_A = ("ours", "ours_long", "ours_2p", "ours_tri", "liger_c", "trl114", "mat", "gemm")
+ARMS_A = ("ours", "ours_long", "ours_2p", "ours_tri", "liger_c", *UPGRADES, "mat", "gemm")
 FLOOR_A = "gemm"  # the head's GEMMs alone (_arms.py): a floor, not a loss (no error against the truth)
 PROMPTS_A = (0.5, 0.0)
 GPU_SIZE = dict(V=151_936, H=3_584, B=16, L=512)
@@ -173,8 +181,9 @@ def time_ms(fn, cuda: bool) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def part_a(device: str, size: dict, reps: int, out_json: Path) -> list[dict]:
-    """Runs inside a process with TRL 1.14 first on sys.path; rewrites ``out_json`` after every arm."""
+def part_a(device: str, size: dict, reps: int, out_json: Path, arms=ARMS_A) -> list[dict]:
+    """Runs ``arms`` inside a process with their TRL release first on sys.path (``part_a_groups``); rewrites
+    ``out_json`` after every arm."""
     import torch
 
     sys.path[:0] = [str(HERE), str(ROOT)]
@@ -198,7 +207,7 @@ def part_a(device: str, size: dict, reps: int, out_json: Path) -> list[dict]:
         ref = _arms.reference(x)
         if cuda:
             torch.cuda.empty_cache()
-        for arm in ARMS_A:
+        for arm in arms:
             row = dict(arm=arm, prompt=frac, tokens=int((x["t"] != -100).sum()), **info)
             try:
                 # ours_long: a token chunk of L / 2, so that every pair is longer than a chunk (pairs in flight)
@@ -232,23 +241,48 @@ def part_a(device: str, size: dict, reps: int, out_json: Path) -> list[dict]:
     return rows
 
 
+def part_a_groups(arms=ARMS_A) -> dict[str, tuple[str, ...]]:
+    """Part (a)'s processes, ``{TRL release: arms}``: two releases of ``trl`` cannot share a process, so each
+    upgrade's head runs with its own release first on sys.path, and the arms that need no TRL with the first."""
+    first = next(iter(UPGRADES.values())).release
+    groups: dict[str, list[str]] = {}
+    for arm in arms:
+        groups.setdefault(release_of(arm) or first, []).append(arm)
+    return {release: tuple(group) for release, group in groups.items()}
+
+
 def run_part_a(args, paths, out: Path) -> list[dict]:
-    result = out / "part_a.json"
-    cmd = [sys.executable, __file__, "--part-a", str(result), "--device", args.device, "--reps", str(args.reps)]
-    if args.cpu_smoke:
-        cmd.append("--cpu-smoke")
-    env = dict(os.environ, PYTHONPATH=_pythonpath(paths["trl-1.14.0"], paths["common"]), PYTHONUNBUFFERED="1")
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_a)
-        log, why = proc.stdout + proc.stderr, f"exited {proc.returncode}"
-    except subprocess.TimeoutExpired as exc:
-        log, why = f"{exc.stdout or ''}{exc.stderr or ''}", f"timed out after {args.timeout_a:.0f} s"
-        log = log.decode(errors="replace") if isinstance(log, bytes) else log
-    (out / "part_a.log").write_text(log)
-    rows = json.loads(result.read_text()) if result.exists() else []
-    if len(rows) < 2 * len(ARMS_A):
-        rows.append(dict(arm="-", error=f"part (a) {why}: {log[-1500:]}"))
-    return rows
+    """``part_a_groups``' processes: on a GPU one after the other (no process's timings share the GPU with
+    another's), in the CPU smoke at once (its timings are not results); the rows in ``ARMS_A``'s order."""
+
+    def one(group):
+        release, arms = group
+        result = out / f"part_a-{release}.json"
+        cmd = [sys.executable, __file__, "--part-a", str(result), "--arms-a", ",".join(arms), "--device", args.device,
+               "--reps", str(args.reps), *(["--cpu-smoke"] if args.cpu_smoke else [])]  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=_pythonpath(paths[f"trl-{release}"], paths["common"]), PYTHONUNBUFFERED="1")
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_a)
+            log, why = proc.stdout + proc.stderr, f"exited {proc.returncode}"
+        except subprocess.TimeoutExpired as exc:
+            log, why = f"{exc.stdout or ''}{exc.stderr or ''}", f"timed out after {args.timeout_a:.0f} s"
+            log = log.decode(errors="replace") if isinstance(log, bytes) else log
+        (out / f"part_a-{release}.log").write_text(log)
+        rows = json.loads(result.read_text()) if result.exists() else []
+        if len(rows) < len(PROMPTS_A) * len(arms):
+            rows.append(dict(arm="-", error=f"part (a), TRL {release}, {why}: {log[-1500:]}"))
+        return rows
+
+    groups = part_a_groups()
+    with ThreadPoolExecutor(max_workers=len(groups) if args.cpu_smoke else 1) as pool:
+        rows = [row for found in pool.map(one, groups.items()) for row in found]
+
+    def order(row):  # a failed process's row last
+        if row.get("arm") not in ARMS_A:
+            return (len(PROMPTS_A), 0)
+        return (PROMPTS_A.index(row["prompt"]), ARMS_A.index(row["arm"]))
+
+    return sorted(rows, key=order)
 
 
 # ------------------------------------------------------------------------------------------------- (b) DDP
@@ -322,7 +356,8 @@ def step_setup(args, paths: dict):
         import torch
 
         torch.cuda.empty_cache()  # the parent's drawing buffers must not sit on the GPU the ranks measure
-    trl = {"1.12.0": paths["trl-1.12.0"], "1.14.0": paths["trl-1.14.0"], "common": paths["common"]}
+    trl = {"1.12.0": paths["trl-1.12.0"], "common": paths["common"]}
+    trl.update({upgrade.release: paths[f"trl-{upgrade.release}"] for upgrade in UPGRADES.values()})
     return size, L, assets, work, trl
 
 
@@ -368,7 +403,9 @@ def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
                 memory.unlink()
             res["warmup"] = 1
             row.update(bench_step.summarise(base, [res]), wall_s=round(res["wall_s"], 1), run=res)
-            row["reference"] = "bf16" if bf16_ref else "TRL's (float32)"
+            ref_dtype = next((rank.get("ref_dtype") for rank in res.get("ranks", [])), None)
+            row["reference"] = "bf16" if bf16_ref else f"TRL's ({ref_dtype or 'not built'})"  # 1.16: the policy's dtype
+            row["trl"] = res.get("trl")  # the release the ranks imported
             row["times"] = [rank["times"] for rank in res.get("ranks", [])]  # per rank: warm-up, measured
             if "error" in row:
                 row["log_tail"] = res.get("log_tail", "")[-1500:]
@@ -390,11 +427,9 @@ ERR_A = 1e-2  # bf16 against the fp32 truth: correct arms reach a few 1e-3 (drop
 PATCHED_PARAMS = 25  # the tiny Qwen3's parameters with a gradient: every one must be counted and agree
 OUTPUTS = (
     "gpu_check.json",
-    "part_a.json",
-    "part_a.log",
     "part_c.json",
     "tiny",
-)  # plus ddp-*: what a run writes into --out
+)  # plus part_a-* (a process's rows and log) and ddp-*: what a run writes into --out
 
 
 def check_rows(
@@ -435,6 +470,9 @@ def check_rows(
                 str(x).startswith("Chunked") for x in r.get("losses", [])
             ):
                 bad.append(f"{tag}: loss {r.get('losses')}, not ours")
+            release = release_of(str(r.get("arm")))
+            if release and r.get("trl") != release:  # an upgrade arm that imported another TRL measured nothing
+                bad.append(f"{tag}: ran TRL {r.get('trl')}, not {release}")
             want = LOSS_SETTING.get(str(r.get("arm")).removesuffix(BF16_REF))
             if want and r.get("loss_setting") != want:
                 bad.append(f"{tag}: ran with LIGER_DDP_PATCH_LOSS={r.get('loss_setting')}, not {want}")
@@ -476,7 +514,7 @@ def clear_outputs(out: Path) -> None:
     """Delete what an earlier run wrote into ``out`` (only that), so that no stale result can be read back."""
     import shutil
 
-    for path in [out / name for name in OUTPUTS] + sorted(out.glob("ddp-*")):
+    for path in [out / name for name in OUTPUTS] + sorted(out.glob("part_a*")) + sorted(out.glob("ddp-*")):
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
@@ -487,11 +525,12 @@ def clear_outputs(out: Path) -> None:
 
 
 def targets(rows_c: list[dict]) -> list[str]:
-    """The issue's targets per trainer: patched no slower than off and trl114 (and its memory against off's)."""
+    """The issue's targets per trainer: patched no slower than off and each upgrade, trl114 and trl116 (and its
+    memory against each)."""
     lines = []
     arms = dict.fromkeys(r.get("arm") for r in rows_c)
     peers = [
-        a for a in arms if a and a.removesuffix(BF16_REF) in ("patched_onepass", "patched_triton", "off", "trl114")
+        a for a in arms if a and a.removesuffix(BF16_REF) in ("patched_onepass", "patched_triton", "off", *UPGRADES)
     ]
     for trainer in dict.fromkeys(r.get("trainer") for r in rows_c):
         for peer in peers:
@@ -608,6 +647,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=None, help="DDP launches at once (default: 4 on GPU, 1 on CPU)")
     ap.add_argument("--print-wheels", action="store_true", help="the wheels gpu_wheels.sh downloads, one per line")
     ap.add_argument("--part-a", metavar="JSON", help=argparse.SUPPRESS)
+    ap.add_argument("--arms-a", default=",".join(ARMS_A), help=argparse.SUPPRESS)  # one --part-a process's arms
     ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.step_arms = tuple(args.step_arms.split(","))
@@ -629,7 +669,7 @@ def main(argv=None) -> int:
     args.budget = args.budget or (3600 if args.cpu_smoke else 520)  # the GPU check's 9 minutes, less the set-up
     size = SMOKE_SIZE if args.cpu_smoke else GPU_SIZE
     if args.part_a:
-        part_a(args.device, size, args.reps, Path(args.part_a))
+        part_a(args.device, size, args.reps, Path(args.part_a), tuple(args.arms_a.split(",")))
         return 0
 
     import torch
@@ -652,7 +692,9 @@ def main(argv=None) -> int:
     info["seconds_a"] = round(time.monotonic() - started - info["seconds_b"], 1)
     step = dict(SMOKE_STEP if args.cpu_smoke else GPU_STEP, prompt=STEP_PROMPT)
     step["L"] = args.step_length or step["L"]
-    step["reference"] = "bf16, passed as ref_model" if args.ref_same_dtype else "TRL's own (float32)"
+    step["reference"] = (
+        "bf16, passed as ref_model" if args.ref_same_dtype else "TRL's own (fp32; from 1.16 bf16, the policy's)"
+    )
     info["step"] = step
     rows_c = run_part_c(args, paths, out, started + args.budget) if "c" in parts else []
     info["seconds"] = round(time.monotonic() - started, 1)

@@ -97,11 +97,13 @@ def test_ratios_and_targets_per_row():
     row = dict(L=2048, ratios={"time/off": bench_step.ratios(runs, "patched", "off", "s"),
                                "mem/off": bench_step.ratios(runs, "patched", "off", "peak_gib")})  # fmt: skip
     assert row["ratios"]["time/off"] == pytest.approx(3.5 / 4) and row["ratios"]["mem/off"] == pytest.approx(3 / 7)
-    assert bench_step.verdict(row) == "ok time/off, ? time/trl114, ok mem/off"
-    row["ratios"].update({"time/trl114": 1.05, "mem/off": 0.6})
-    assert bench_step.verdict(row) == "ok time/off, MISS time/trl114, MISS mem/off"
+    assert bench_step.verdict(row) == "ok time/off, ? time/trl114, ? time/trl116, ok mem/off"
+    row["ratios"].update({"time/trl114": 1.05, "time/trl116": 0.9, "mem/off": 0.6})
+    assert bench_step.verdict(row) == "ok time/off, MISS time/trl114, ok time/trl116, MISS mem/off"
     row["L"] = 512  # the memory target is for L >= 2048 only
-    assert bench_step.verdict(row) == "ok time/off, MISS time/trl114"
+    assert bench_step.verdict(row) == "ok time/off, MISS time/trl114, ok time/trl116"
+    row["ratios"]["time/trl116"] = 1.01  # the newest upgrade is a peer as much as the first
+    assert bench_step.verdict(row) == "ok time/off, MISS time/trl114, MISS time/trl116"
 
 
 def test_the_held_sums_are_broken_out_per_arm():
@@ -156,7 +158,7 @@ def test_machine_line_says_whether_bf16_gemms_are_native():
 def test_each_arm_gets_its_package_setting():
     """patched: the package on, the loss's defaults; patched_triton: also ``sweep=triton``; the others: the package
     off (``LIGER_DDP_PATCH_DISABLE=1``), each with its own TRL first on ``PYTHONPATH``."""
-    paths = {"1.12.0": "/trl-1.12", "1.14.0": "/trl-1.14", "common": "/common"}
+    paths = {"1.12.0": "/trl-1.12", "1.14.0": "/trl-1.14", "1.16.0": "/trl-1.16", "common": "/common"}
     env = {arm: bench_step.arm_env(arm, 1, paths, environ={}) for arm in (*bench_step.ARMS, *bench_step.EXTRA_ARMS)}
     assert "LIGER_DDP_PATCH_DISABLE" not in env["patched"] and "LIGER_DDP_PATCH_LOSS" not in env["patched"]
     assert env["patched_triton"]["LIGER_DDP_PATCH_LOSS"] == "sweep=triton"
@@ -166,9 +168,10 @@ def test_each_arm_gets_its_package_setting():
     assert env["patched_fullkl"]["LIGER_DDP_PATCH_DISABLE"] == "kto_kl_logps"  # KTO's KL rows before issue 32 item 3
     assert env["patched_onepass"]["LIGER_DDP_PATCH_LOSS"] == "one_pass=1"  # one pass whatever it holds (issue 39)
     assert "LIGER_DDP_PATCH_DISABLE" not in env["patched_onepass"]
-    for arm in ("off", "trl114", "unpatched"):
+    for arm in ("off", "trl114", "trl116", "unpatched"):
         assert env[arm]["LIGER_DDP_PATCH_DISABLE"] == "1" and "LIGER_DDP_PATCH_LOSS" not in env[arm], arm
     assert env["trl114"]["PYTHONPATH"].startswith("/trl-1.14") and env["off"]["PYTHONPATH"].startswith("/trl-1.12")
+    assert env["trl116"]["PYTHONPATH"].startswith("/trl-1.16")
 
 
 def _frames(*names):

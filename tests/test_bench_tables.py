@@ -513,6 +513,25 @@ def test_step_table_pairs_trainers_and_marks_misses():
     ]
 
 
+def test_step_table_puts_a_newer_upgrade_beside_trl_1_14(tmp_path):
+    """Issue 45: a raw file that also ran ``trl116`` (TRL 1.16) gives its rows that release's ratios, and the table a
+    ``÷ TRL 1.16`` column after each ``÷ TRL 1.14`` (bold over 1.00; "—" where a row did not run it); rows without it
+    keep today's columns."""
+    arm = dict(s=2.0, peak_gib=3.0)
+    row = dict(trainer="dpo", dtype="bf16", prompt=0.5, L=512, arms=dict(patched=arm, trl114=arm, trl116=arm),
+               ratios={"time/trl114": 0.8, "mem/trl114": 0.9, "time/trl116": 1.3, "mem/trl116": 0.95})  # fmt: skip
+    header = "2026-12-08 01:00 UTC  AMD EPYC (torch AVX512, bf16 GEMM AVX-512 BF16)  2 CPUs"
+    (tmp_path / "step.json").write_text(json.dumps(dict(header=header, table=[row, dict(row, trainer="kto")])))
+    specs = [_table_step.Spec("step.json", "dpo", "bf16", 512), _table_step.Spec("step.json", "kto", "bf16", 512)]
+    found = _table_step.rows(specs, tmp_path)
+    assert found[0].newer == (("TRL 1.16", 2.0, 3.0, 1.3, 0.95),)
+    lines = _table_step.table([found[0], _row("KTO", 0.8, 0.9, setup="CPU bf16")]).splitlines()
+    assert "| ÷ TRL 1.14 | ÷ TRL 1.16 | peak GiB/rank | ÷ Liger-off | ÷ TRL 1.14 | ÷ TRL 1.16 | measured |" in lines[1]
+    assert lines[3].startswith("| CPU bf16 | 512 | 2.00 / 1.00 | — / — | 0.80 / 0.80 | **1.30** / — | 3.00 / 2.00 |")
+    assert "| 0.90 / 0.90 | 0.95 / — |" in lines[3]
+    assert "TRL 1.16" not in _table_step.table([_row("DPO", 0.8, 0.9)])  # no row ran it: today's columns
+
+
 @pytest.mark.parametrize("header, expected", [
     ("2026-12-06 06:29 UTC  Intel(R) Xeon(R) Processor (torch AVX512, bf16 GEMM AMX)  2 CPUs", ("Intel Xeon AMX",
      "2026-12-06")),

@@ -17,11 +17,15 @@ sys.path.insert(0, str(SCRIPT.parent))
 
 import gpu_check  # noqa: E402
 
-# (c) as the prepared GPU call runs it: the default beside one_pass=1 (issue 39 item 4), TRL's float32 reference and
-# a bf16 ref_model in one call (issue 32 item 4; the patched rows' ratios are against the patched row of the same
-# reference). Four KTO launches (each ~75 s on 2 cores): Liger-off and TRL 1.14 at the float32 reference are the
-# same launches as their bf16-reference arms but for the reference, and test_bench_step runs Liger-off already.
-SMOKE_ARMS = "patched,patched_onepass,patched+bf16ref,trl114+bf16ref"
+# (c) as the prepared GPU call runs it: TRL's float32 reference and a bf16 ref_model in one call (issue 32 item 4; the
+# patched rows' ratios are against the patched row of the same reference). Three KTO launches (each 11-18 s on 2
+# cores, 2026-12-07): Liger-off and the upgrades at TRL's own reference are the same launches as their bf16-reference
+# arms but for the reference, and test_bench_step runs Liger-off already. The upgrade launched is the newest (TRL
+# 1.16, issue 45), in place of TRL 1.14's: one code path with another TRL folder (bench_step.arm_env), bracketed by
+# TRL 1.12's launches; part (a) runs both releases' heads, in a second process (7.5 CPU-s). That process is paid for
+# by patched_onepass's launch, which at these sizes runs the very path of patched (every row fits a token chunk:
+# "0.00 (one-pass)" for both); its setting, row check and target line are unit-tested below.
+SMOKE_ARMS = "patched,patched+bf16ref,trl116+bf16ref"
 # (b) on TRL 1.12.0 alone: its two-node launches are test_launchers' (the same harness function), and 1.8.0's crash
 # in DDP is test_matrix's (real vocabulary, every CI run): two two-node launches, not the GPU call's four (~10 s less)
 SMOKE_DDP_TRL = "1.12.0"
@@ -30,7 +34,8 @@ SMOKE_DDP_TRL = "1.12.0"
 @pytest.mark.ddp
 def test_cpu_smoke_runs_both_parts(tmp_path):
     """(a) every arm runs, ours takes the one-pass path (ours_long too, with pairs longer than a chunk), all
-    within 1e-2 of the fp32 truth; (b) the 2-node DDP probe shows the bug and the fix with all 25 parameters counted.
+    within 1e-2 of the fp32 truth, each upgrade's head (TRL 1.14, 1.16) in a process of its release; (b) the 2-node
+    DDP probe shows the bug and the fix with all 25 parameters counted; (c) TRL 1.16's step ran TRL 1.16.
     The row checks are gpu_check.check_rows, the ones the script's exit status comes from; a stale result in --out
     is deleted first; ``--memory``'s extra step is neither timed nor fatal where it cannot record."""
     (tmp_path / "gpu_check.json").write_text(json.dumps(dict(info={}, a=[], b=[])))
@@ -48,8 +53,7 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     assert "(a) DPO head loss" in proc.stdout and "(b) DDP" in proc.stdout, proc.stdout
     assert "(c) one whole DDP training step" in proc.stdout and "kto     patched" in proc.stdout, proc.stdout
     assert "x the GEMM floor" in proc.stdout and "(a floor)" in proc.stdout, proc.stdout  # (a): ours vs the floor
-    assert "kto patched+bf16ref/trl114+bf16ref: time" in proc.stdout, proc.stdout
-    assert "kto patched/patched_onepass: time" in proc.stdout, proc.stdout  # the default against one_pass=1
+    assert "kto patched+bf16ref/trl116+bf16ref: time" in proc.stdout, proc.stdout
     assert "all rows pass" in proc.stdout, proc.stdout[-3000:]
     # --memory: one more step per launch, not timed (the rows above still count 1 + 2 steps); on CPU the profiler's
     # allocation events are replayed (_memory.cpu_replay), so every arm's step reports its peak by site
@@ -60,7 +64,11 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     assert check_rows_strict(report) == []
     assert report["info"]["ddp_trl"] == [SMOKE_DDP_TRL] and {r["trl"] for r in report["b"]} == {SMOKE_DDP_TRL}
     settings = {r["arm"]: r.get("loss_setting") for r in report["c"]}
-    assert settings["patched_onepass"] == "one_pass=1" and settings["patched"] is None, settings
+    assert settings["patched"] is None and settings["trl116+bf16ref"] is None, settings
+    # issue 45: each upgrade's head ran in a process of its own release; TRL 1.16's step ran TRL 1.16.0
+    assert {r["arm"] for r in report["a"]} >= set(gpu_check.UPGRADES), report["a"]
+    assert sorted(p.name for p in tmp_path.glob("part_a-*.json")) == ["part_a-1.14.0.json", "part_a-1.16.0.json"]
+    assert {r["arm"]: r["trl"] for r in report["c"]}["trl116+bf16ref"] == "1.16.0", report["c"]
 
 
 def check_rows_strict(report):
@@ -91,7 +99,7 @@ def _passing_report():
     rows_c = [
         dict(trainer=t, arm=a, s=1.0, tok_s=100.0, peak_gib=2.0, steps=[1.0], times=[[3, 1, 1], [3, 1, 1]],
              losses=["ChunkedDPOLoss"] if a.startswith("patched") else [],
-             loss_setting=gpu_check.LOSS_SETTING.get(a))
+             loss_setting=gpu_check.LOSS_SETTING.get(a), trl=gpu_check.release_of(a) or "1.12.0")
         for t in gpu_check.STEP_TRAINERS for a in gpu_check.STEP_ARMS
     ]  # fmt: skip
     return dict(a=rows_a, b=rows_b, c=rows_c)
@@ -114,6 +122,7 @@ def _passing_report():
         "step: one measured step",
         "step: an arm failed silently",
         "step: one_pass=1 not set",
+        "step: trl116 ran another TRL",
         "step: patched skipped by the budget",
     ],
 )
@@ -147,6 +156,8 @@ def test_check_rows_fails_each_broken_row(breakage):
             patched["times"][1] = [3, 1]
         elif breakage == "step: one_pass=1 not set":
             next(r for r in c if r["arm"] == "patched_onepass")["loss_setting"] = None
+        elif breakage == "step: trl116 ran another TRL":  # e.g. its folder missing from PYTHONPATH: the installed one
+            next(r for r in c if r["arm"] == "trl116")["trl"] = "1.12.0"
         elif breakage == "step: patched skipped by the budget":
             patched.clear()
             patched.update(trainer="dpo", arm="patched", error=gpu_check.NOT_RUN)
@@ -191,23 +202,55 @@ def test_the_triton_step_arm_is_checked_as_ours_and_reported_beside_patched():
 
 def test_the_budget_drops_the_last_arms_of_every_trainer_not_a_trainer():
     """(c) launches arm by arm (each for every trainer), so a spent budget skips the extra arms, said so and not a
-    failure; the table's arms (patched, patched_onepass, off, trl114) come first for both trainers."""
-    arms = ("patched", "patched_onepass", "off", "trl114", "patched+bf16ref")
+    failure; the table's arms (patched, patched_onepass, off, trl114, trl116) come first for both trainers."""
+    arms = (*gpu_check.STEP_ARMS, "patched+bf16ref")
     order = gpu_check.launch_order(arms, ("dpo", "kto"))
-    assert order[:8] == [(a, t) for a in arms[:4] for t in ("dpo", "kto")] and len(order) == 10
+    assert order[:10] == [(a, t) for a in arms[:5] for t in ("dpo", "kto")] and len(order) == 12
     report = _passing_report()
     c = report["c"] + [dict(trainer=t, arm="patched+bf16ref", error=gpu_check.NOT_RUN) for t in ("dpo", "kto")]
     assert gpu_check.check_rows(report["a"], report["b"], 2, ("c",), c, 2, gpu_check.STEP_TRAINERS, arms) == []
 
 
+def test_the_upgrades_are_one_table_every_comparison_reads():
+    """Issue 45: "the upgrade" is every release in ``_upgrades.UPGRADES`` (TRL 1.14 and 1.16, the newest last): each
+    is a default arm of the step with its own TRL folder, a peer of the verdict, and gpu_check's (a) and (c) run it."""
+    import _arms
+    import _upgrades
+    import bench_step
+
+    assert list(_upgrades.UPGRADES) == ["trl114", "trl116"] and _upgrades.NEWEST == "trl116"
+    assert bench_step.UPGRADES == {"trl114": "1.14.0", "trl116": "1.16.0"}
+    paths = bench_step.trl_dirs(type("Args", (), {"trl112_from_cache": False})())
+    for arm, release in bench_step.UPGRADES.items():
+        assert arm in bench_step.ARMS and bench_step.TRL_OF[arm] == release and paths[release].endswith(release)
+        assert arm in _arms.ARMS and arm in gpu_check.ARMS_A and arm in gpu_check.STEP_ARMS, arm
+        assert ("trl", release, "trl") in gpu_check.WHEELS, release
+    assert _upgrades.UPGRADES["trl116"].label == "TRL 1.16"
+
+
+def test_part_a_runs_each_release_in_a_process_of_its_own():
+    """Two TRL releases cannot share a process (issue 45): (a) runs one process per upgrade's release, the arms that
+    need no TRL in the first, and puts the rows back in ``ARMS_A``'s order."""
+    groups = gpu_check.part_a_groups()
+    assert groups == {"1.14.0": tuple(a for a in gpu_check.ARMS_A if a != "trl116"), "1.16.0": ("trl116",)}
+    assert sorted(a for group in groups.values() for a in group) == sorted(gpu_check.ARMS_A)
+
+
 def test_onepass_arm_runs_the_package_with_one_pass_set():
     """patched_onepass's ranks get ``LIGER_DDP_PATCH_LOSS=one_pass=1`` and the package (bench_step's arm), what
-    check_rows expects of its row."""
+    check_rows expects of its row; targets() reports the default against it, not as a target (the line the CPU smoke
+    checked while it launched the arm)."""
     import bench_step
 
     env = bench_step.arm_env("patched_onepass", 1, {}, {})
     assert env["LIGER_DDP_PATCH_LOSS"] == gpu_check.LOSS_SETTING["patched_onepass"] == "one_pass=1", env
     assert "LIGER_DDP_PATCH_DISABLE" not in env, env
+    c = _passing_report()["c"]
+    next(r for r in c if (r["trainer"], r["arm"]) == ("kto", "patched_onepass")).update(patched_time=1.05,
+                                                                                       patched_mem=0.9)  # fmt: skip
+    assert "kto patched/patched_onepass: time 1.05 (the default against one_pass=1), peak memory 0.90" in (
+        gpu_check.targets(c)
+    )
 
 
 def _fake_wheel(folder: Path, name: str, version: str) -> Path:
@@ -247,7 +290,7 @@ def test_wheel_list_is_what_gpu_wheels_sh_downloads():
     out = subprocess.run([sys.executable, str(SCRIPT), "--print-wheels"], capture_output=True, text=True, check=True)
     specs = out.stdout.split()
     assert specs == [f"{d}=={v}" for d, v, _ in gpu_check.WHEELS]
-    assert {"trl==1.14.0", "trl==1.12.0", "trl==1.8.0", "liger-kernel==0.8.5"} <= set(specs)
+    assert {"trl==1.14.0", "trl==1.16.0", "trl==1.12.0", "trl==1.8.0", "liger-kernel==0.8.5"} <= set(specs)
     assert "--print-wheels" in (ROOT / "benchmarks" / "gpu_wheels.sh").read_text()
 
 
