@@ -2,10 +2,11 @@
 """The README's whole-step figure and table (issue 39 item 3), from the raw result files (``_table_step.SPECS``).
 
     python3 -m pip install -e ".[bench]"          # matplotlib, for the figure only
-    python3 benchmarks/plot_step.py               # writes docs/step_vs_trl114.png
+    python3 benchmarks/plot_step.py               # writes docs/step_vs_upgrades.png
     python3 benchmarks/plot_step.py --table       # prints the README's block (paste between its markers)
 
-Per configuration, the package's step time and peak memory per rank as a ratio to TRL 1.14's, a line at 1.0. The
+Per configuration, the package's step time (top) and peak memory per rank (bottom) as a ratio to each upgrade's
+(TRL 1.14, TRL 1.16: ``_upgrades.UPGRADES``), a line at 1.0. The
 figure's numbers are also written into the PNG (its ``Description`` text chunk), so that
 ``tests/test_bench_tables.py`` can tell a stale figure without matplotlib.
 """
@@ -23,7 +24,7 @@ sys.path.insert(0, str(HERE))
 import _table_step  # noqa: E402
 
 ROOT = HERE.parent
-TIME, PEAK = "#3b6ea8", "#e08a2c"
+COLORS = ("#3b6ea8", "#e08a2c", "#5a9e4b", "#8c5aa8")  # one per upgrade, oldest first
 
 
 def draw(data: list[dict], path: Path) -> None:
@@ -33,36 +34,40 @@ def draw(data: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     n = len(data)
-    fig, ax = plt.subplots(figsize=(max(8.0, 0.95 * n + 1.5), 5.2), dpi=110)
-    width = 0.38
-    top = max(1.3, max(max(d["time"], d["peak"]) for d in data) + 0.25)
-    for i, d in enumerate(data):
-        older = bool(d["note"])  # a row that predates the current package: hatched
-        for dx, key, color in ((-width / 2, "time", TIME), (width / 2, "peak", PEAK)):
-            ax.bar(i + dx, d[key], width, color=color, alpha=0.55 if older else 1.0, hatch="//" if older else None,
-                   edgecolor="white" if not older else color, linewidth=0.6)  # fmt: skip
-            ax.annotate(f"{d[key]:.2f}", (i + dx, d[key]), xytext=(0, 1.5), textcoords="offset points", ha="center",
-                        va="bottom", fontsize=7.5)  # fmt: skip
-    ax.axhline(1.0, color="black", linewidth=1.2, zorder=0)
-    ax.text(n - 0.45, 1.0, " TRL 1.14", va="center", ha="left", fontsize=9)
-    ax.set_xticks(range(n))
-    ax.set_xticklabels([_tick(d) for d in data], fontsize=8.5)
-    ax.set_xlim(-0.6, n - 0.4)
-    ax.set_ylim(0, top)
-    ax.set_ylabel("the package ÷ TRL 1.14  (below 1: better)")
-    ax.set_title("One whole DDP step, 2 ranks, V=151,936, 50 % prompt: time and peak memory per rank vs TRL 1.14",
-                 fontsize=10.5)  # fmt: skip
-    ax.grid(axis="y", color="#dddddd", linewidth=0.6, zorder=-1)
-    ax.set_axisbelow(True)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=TIME), plt.Rectangle((0, 0), 1, 1, color=PEAK)]
-    labels = ["step time", "peak memory per rank"]
+    upgrades = list(dict.fromkeys(u for d in data for u in d["ratios"]))  # oldest first, as _upgrades lists them
+    width = 0.8 / len(upgrades)
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 1.0 * n + 1.5), 8.4), dpi=110, sharex=True)
+    for ax, key, what in zip(axes, ("time", "peak"), ("step time", "peak memory per rank")):
+        values = [d["ratios"][u][key] for d in data for u in d["ratios"]]
+        for j, upgrade in enumerate(upgrades):
+            for i, d in enumerate(data):
+                if upgrade not in d["ratios"]:
+                    continue
+                older = bool(d["note"])  # a row that predates the current package: hatched
+                x, y = i + (j - (len(upgrades) - 1) / 2) * width, d["ratios"][upgrade][key]
+                ax.bar(x, y, width, color=COLORS[j % len(COLORS)], alpha=0.55 if older else 1.0,
+                       hatch="//" if older else None, edgecolor="white" if not older else COLORS[j % len(COLORS)],
+                       linewidth=0.6, label=upgrade if i == 0 else None)  # fmt: skip
+                ax.annotate(f"{y:.2f}", (x, y), xytext=(0, 1.5), textcoords="offset points", ha="center",
+                            va="bottom", fontsize=6.5)  # fmt: skip
+        ax.axhline(1.0, color="black", linewidth=1.2, zorder=0)
+        ax.set_ylim(0, max(1.3, max(values) + 0.2))
+        ax.set_ylabel(f"{what}: the package ÷ the upgrade\n(below 1: better)", fontsize=9)
+        ax.grid(axis="y", color="#dddddd", linewidth=0.6, zorder=-1)
+        ax.set_axisbelow(True)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    axes[0].set_title("One whole DDP step, 2 ranks, V=151,936, 50 % prompt: the package against each upgrade",
+                      fontsize=10.5)  # fmt: skip
+    axes[1].set_xticks(range(n))
+    axes[1].set_xticklabels([_tick(d) for d in data], fontsize=8.5)
+    axes[1].set_xlim(-0.6, n - 0.4)
+    handles, labels = axes[0].get_legend_handles_labels()
     notes = dict.fromkeys(f"{d['machine']}, {d['date']}: {d['note']}" for d in data if d["note"])
     if notes:
         handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="gray", hatch="//"))
         labels.append("\n".join(notes))
-    ax.legend(handles, labels, loc="upper left", fontsize=8.5, frameon=False)
+    axes[0].legend(handles, labels, loc="upper left", fontsize=8.5, frameon=False)
     fig.tight_layout()
     metadata = {"Description": json.dumps(data), "Title": "benchmarks/plot_step.py"}
     fig.savefig(path, metadata=metadata)

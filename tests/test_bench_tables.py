@@ -461,7 +461,8 @@ def test_step_figure_is_drawn_from_the_raw_files():
     drawn = json.loads(_table_step.png_text(figure).get("Description", "null"))
     assert drawn == _table_step.figure_data(), f"{_table_step.FIGURE} is stale: python3 benchmarks/plot_step.py"
     assert f"]({_table_step.FIGURE})" in TOP_README.read_text(), f"README.md does not show {_table_step.FIGURE}"
-    assert all(d["time"] > 0 and d["peak"] > 0 for d in drawn) and len(drawn) == len(_table_step.SPECS)
+    assert all(r["time"] > 0 and r["peak"] > 0 for d in drawn for r in d["ratios"].values())
+    assert len(drawn) == len(_table_step.SPECS) and all("TRL 1.14" in d["ratios"] for d in drawn)
 
 
 def _whole_step_raw() -> dict[tuple, str]:
