@@ -349,21 +349,25 @@ def _available_gib(need: float = 0.0, wait_s: float = 60.0) -> float:
         time.sleep(2)
 
 
-def _tree_rss(pid: int) -> int:
+def _tree(pid: int) -> list:
+    """``pid`` and every process under it (``psutil`` processes; none without psutil, as on a GPU image)."""
     try:
         import psutil
     except ImportError:  # (a GPU image without it: the memory guard is off there anyway)
-        return 0
+        return []
 
     try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        return [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
-        return 0
+        return []
+
+
+def _tree_rss(pid: int) -> int:
     total = 0
-    for p in procs:
+    for p in _tree(pid):
         try:
             total += p.memory_info().rss
-        except psutil.Error:
+        except Exception:  # noqa: BLE001  (psutil.Error: it ended meanwhile)
             pass
     return total
 
@@ -438,7 +442,13 @@ def launch(arm: str, cfg: tuple, args, assets: Path, out_dir: Path, paths: dict 
         if killed:
             for p in procs:
                 if p.poll() is None:
+                    ranks = _tree(p.pid)  # torchrun starts its ranks in sessions of their own: kill them by name
                     os.killpg(p.pid, signal.SIGKILL)
+                    for rank in ranks:
+                        try:
+                            rank.kill()
+                        except Exception:  # noqa: BLE001  (gone already)
+                            pass
                     p.wait()
             break
     text = "\n".join(path.read_text(errors="replace") for path in logs)
