@@ -333,6 +333,18 @@ def check_verify_save(table, raw, out):
             out.cell(table, line, "checkpoint", name, cell, raw, value)
 
 
+def check_verify_digest(table, raw, out):
+    """Issue 44's before/after rows: ``before (float sum), 1st`` is bench_verify_base_1.txt's printed save line."""
+    for line, cells in table.rows:
+        side = "base" if cells[0].startswith("before") else "main"
+        nth = {"1st": 1, "2nd": 2, "3rd": 3}[cells[0].rsplit(", ", 1)[1]]
+        printed = (raw / f"bench_verify_{side}_{nth}.txt").read_text().splitlines()
+        (at,) = [i for i, text in enumerate(printed) if text.strip().startswith("median save")]
+        for name, cell, value in zip(table.header[1:], cells[1:], re.findall(r"[\d.]+", printed[at + 1])[:3]):
+            if plain(cell).replace(" ", "").removesuffix("ms").removesuffix("%") != value:
+                out.cell(table, line, cells[0], name, cell, raw, value)
+
+
 # ----------------------------------------------------------------------------------------------------- tests
 
 # (first header cells, the file a folder link means, checker); the step tables are checked row by row
@@ -343,6 +355,7 @@ CHECKERS = (
     (("loss", "prompt", "ours ms"), "gpu_profile.json", check_gpu_floor),
     (("trainer", "arm", "s/step"), "gpu_check.json", check_gpu_step),
     (("median save (model + optimizer state)",), None, check_verify_save),
+    (("run", "median save", "median weights check"), None, check_verify_digest),
 )
 
 
