@@ -179,18 +179,8 @@ class ChunkedLinearLoss(torch.nn.Module):
         sel = _tokens.select_tokens(hidden, target, self.ignore_index)
         plan = Plan.of(hidden, weight, self.token_chunk_size, self.sweep, bias)
         path, loss_of = self._path(needs_grad(hidden, weight, bias), sel, batch)
-        self.last_held = None
-        one = plan
-        if path == ONE_PASS:
-            schedule = _onepass.group_chunks(sel.rows, loss_of.group_of_row, sel.counts, plan.chunk)
-            held = self.held(schedule[1], weight, plan)
-            budget = _plan.held_budget_bytes(hidden.device)
-            if self.one_pass is None and self.token_chunk_size is None and held["extra_bytes"] > budget:
-                one, schedule, held = self.widened(sel, loss_of.group_of_row, weight, plan, schedule, held)
-            self.last_held = held
-            if self.one_pass is None and held["extra_bytes"] > budget:
-                one, path = plan, (f"{TWO_PASS}: one pass would hold {held['extra_bytes'] / 2**20:.0f} MiB more "
-                                   f"(> {budget / 2**20:.0f} MiB)")  # fmt: skip
+        path, one, schedule, held = self._choose(path, sel, loss_of, weight, plan, hidden.device)
+        self.last_held = held
         self.last_path, self.last_chunk, self.last_sweep = path, one.chunk, one.sweep
         if path == ONE_PASS:
             loss, sums = _onepass.OnePassLoss.apply(
@@ -199,6 +189,35 @@ class ChunkedLinearLoss(torch.nn.Module):
             return loss, sums, sel.counts
         sums = _tokens.sequence_sums(_twopass.selected_logprobs(sel, weight, bias, plan), sel.rows, target.shape[0])
         return loss_of(sums), sums.detach(), sel.counts
+
+    def planned(self, hidden, weight, target, bias=None) -> dict:
+        """What the policy pass of a call with these inputs (a gradient needed) would do, without running it:
+        ``path``, ``chunk`` (tokens per GEMM), ``sweep`` and ``held`` (:meth:`held`, None off the one-pass path),
+        as :meth:`policy_loss` would record them.  Only shapes, dtypes, the device and the targets are read (inside
+        ``_plan.simulated_accelerator`` a CPU call is planned as on an accelerator): the tests pin plans with it."""
+        sel = _tokens.select_tokens(hidden, target, self.ignore_index)
+        plan = Plan.of(hidden, weight, self.token_chunk_size, self.sweep, bias)
+        path, loss_of = self._path(True, sel, None)
+        path, one, _schedule, held = self._choose(path, sel, loss_of, weight, plan, hidden.device)
+        return dict(path=path, chunk=one.chunk, sweep=one.sweep, held=held)
+
+    def _choose(self, path, sel, loss_of, weight, plan: Plan, device):
+        """``(path, plan, one-pass schedule or None, held or None)``: on the one-pass path, the schedule of ``plan``'s
+        chunk or of a widened one (:meth:`widened`), or the two-pass path where the default's one pass would hold
+        more than :func:`_plan.held_budget_bytes` beyond it."""
+        if path != ONE_PASS:
+            return path, plan, None, None
+        schedule = _onepass.group_chunks(sel.rows, loss_of.group_of_row, sel.counts, plan.chunk)
+        held = self.held(schedule[1], weight, plan)
+        budget = _plan.held_budget_bytes(device)
+        one = plan
+        if self.one_pass is None and self.token_chunk_size is None and held["extra_bytes"] > budget:
+            one, schedule, held = self.widened(sel, loss_of.group_of_row, weight, plan, schedule, held)
+        if self.one_pass is None and held["extra_bytes"] > budget:
+            path = (f"{TWO_PASS}: one pass would hold {held['extra_bytes'] / 2**20:.0f} MiB more "
+                    f"(> {budget / 2**20:.0f} MiB)")  # fmt: skip
+            return path, plan, None, held
+        return path, one, schedule, held
 
     @staticmethod
     def held(chunks, weight, plan: Plan, chunk_bytes: int = 0) -> dict:

@@ -12,11 +12,18 @@ device (as autocast would run ``F.linear``; fp64 inputs are left alone, as autoc
 Both paths run with autocast off (:func:`no_autocast`), so a recomputed softmax is the one whose log-sum-exp was
 stored.  The log-sum-exp, the softmax, the per-token log-probs and their row sums, all reductions and the gradient
 accumulators are fp32, and fp64 for fp64 inputs (:attr:`Plan.mdtype`: fp64 inputs are fp64 throughout).
+
+Simulation (issue 45): inside :func:`simulated_accelerator` a call on CPU tensors is planned by the accelerator's
+rules for a stated free memory -- the accelerator budget, the held budget of that free memory, no ``_tiles`` sweep,
+the non-fused softmax steps and, by default, fp32-output GEMMs (emulated on CPU by ``_gemm``) -- so that it takes the
+chunk rows, the path and the held sums a GPU call of the same shapes takes, and allocates what that call allocates
+(``benchmarks/sim_gpu_peak.py`` replays them).  Outside it nothing changes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib.util
 import os
@@ -37,9 +44,12 @@ __all__ = [
     "held_budget_bytes",
     "logit_bytes",
     "logits_budget_bytes",
+    "device_kind",
     "math_dtype",
     "no_autocast",
     "resolve_token_chunk_size",
+    "simulated",
+    "simulated_accelerator",
     "sweep_of",
     "tiles_sweep",
     "vocab_block_rows",
@@ -64,17 +74,62 @@ HELD_BUDGET_BYTES = {"cpu": 384 << 20}
 HELD_BUDGET_FREE_FRACTION = 16
 
 
+class SimulatedAccelerator(NamedTuple):
+    """What :func:`simulated_accelerator` plans a CPU call as: ``free_bytes`` of free device memory (the held budget's
+    base, as ``torch.cuda.mem_get_info`` reports it), and whether its GEMMs write fp32 from half inputs (CUDA with
+    torch >= 2.10: yes)."""
+
+    free_bytes: int
+    fp32_out: bool = True
+
+
+_SIMULATED: contextvars.ContextVar[SimulatedAccelerator | None] = contextvars.ContextVar(
+    "liger_ddp_patch_simulated_accelerator", default=None
+)
+
+
+@contextlib.contextmanager
+def simulated_accelerator(free_bytes: int, fp32_out: bool = True):
+    """Within this context a loss call on CPU tensors is planned, and allocates, as on an accelerator with
+    ``free_bytes`` free (see the module docstring): enclose its forward *and* its backward.  A benchmark's and the
+    tests' tool (no GPU needed to pin or replay a GPU plan); the results are the CPU's numbers, the memory the GPU's
+    but for the emulated GEMMs' column blocks (``_gemm``)."""
+    if isinstance(free_bytes, bool) or int(free_bytes) != free_bytes or free_bytes < 0:
+        raise ValueError(f"free_bytes must be a non-negative integer, got {free_bytes!r}")
+    token = _SIMULATED.set(SimulatedAccelerator(int(free_bytes), bool(fp32_out)))
+    try:
+        yield
+    finally:
+        _SIMULATED.reset(token)
+
+
+def simulated(device=None) -> SimulatedAccelerator | None:
+    """The accelerator a CPU ``device`` (None = CPU) is planned as inside :func:`simulated_accelerator`, else None."""
+    if device is not None and torch.device(device).type != "cpu":
+        return None
+    return _SIMULATED.get()
+
+
+def device_kind(device=None) -> str:
+    """``"cpu"`` or ``"accelerator"``: whose rules plan a call on ``device`` (a CPU inside
+    :func:`simulated_accelerator` is an accelerator)."""
+    kind = "cpu" if device is None else torch.device(device).type
+    return "accelerator" if kind != "cpu" or simulated(device) is not None else "cpu"
+
+
 def logits_budget_bytes(device=None) -> int:
     """The default per-chunk memory budget for ``device`` (a ``torch.device``, a type string, or None = CPU)."""
-    kind = "cpu" if device is None else torch.device(device).type
-    return LOGITS_BUDGET_BYTES["cpu" if kind == "cpu" else "accelerator"]
+    return LOGITS_BUDGET_BYTES[device_kind(device)]
 
 
 def held_budget_bytes(device=None) -> int:
     """What the default one-pass path may hold beyond the two-pass path (see :data:`HELD_BUDGET_BYTES`)."""
-    kind = "cpu" if device is None else torch.device(device).type
-    if kind == "cpu":
+    if device_kind(device) == "cpu":
         return HELD_BUDGET_BYTES["cpu"]
+    sim = simulated(device)
+    if sim is not None:
+        return sim.free_bytes // HELD_BUDGET_FREE_FRACTION
+    kind = torch.device(device).type
     try:
         free, _total = torch.cuda.mem_get_info(device) if kind == "cuda" else (None, None)
     except (RuntimeError, AssertionError, ValueError):
@@ -102,7 +157,11 @@ def fp32_output_gemm(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def fp32_out(device, dtype) -> bool:
-    """Whether the GEMMs of ``dtype`` on ``device`` write fp32 themselves (never on CPU)."""
+    """Whether the GEMMs of ``dtype`` on ``device`` write fp32 themselves (never on CPU; a simulated accelerator's
+    say, for half dtypes: ``_gemm`` emulates them)."""
+    sim = simulated(device)
+    if sim is not None:
+        return sim.fp32_out and dtype in (torch.float16, torch.bfloat16)
     kind = "cpu" if device is None else torch.device(device).type
     return kind != "cpu" and fp32_output_gemm(kind, dtype)
 
@@ -137,9 +196,9 @@ def math_dtype(cdtype: torch.dtype) -> torch.dtype:
 
 def tiles_sweep(device, cdtype: torch.dtype, bias=None) -> bool:
     """Whether a chunk's sweep runs on row tiles of its half-precision block (``_tiles``): on CPU (the GEMM writes
-    the half dtype), in half precision, without a bias (whose gradient is summed from the fp32 block)."""
-    kind = "cpu" if device is None else torch.device(device).type
-    return kind == "cpu" and cdtype in (torch.float16, torch.bfloat16) and bias is None
+    the half dtype; not a simulated accelerator), in half precision, without a bias (whose gradient is summed from
+    the fp32 block)."""
+    return device_kind(device) == "cpu" and cdtype in (torch.float16, torch.bfloat16) and bias is None
 
 
 def resolve_token_chunk_size(

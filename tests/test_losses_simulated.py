@@ -1,0 +1,87 @@
+"""A CPU call planned as an accelerator's (``_plan.simulated_accelerator``, issue 45): the GPU's plan without a GPU.
+
+Inside the context a loss call on CPU tensors takes the accelerator's rules for a stated free memory (its chunk
+budget, the held budget of that free memory, no ``_tiles`` sweep, the non-fused softmax, fp32-output GEMMs emulated
+in blocks), so a CPU run takes the chunk rows, the path and the held sums the GPU call takes, and allocates what it
+allocates (``benchmarks/sim_gpu_peak.py``).  Checked here: the numbers are the CPU's own within rounding, the plan is
+the accelerator's, and outside the context nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from liger_ddp_patch.losses import ChunkedDPOLoss, ChunkedKTOLoss, _plan
+
+V, H, B, L = 1_000, 32, 4, 64
+GB = 10**9
+
+
+def _inputs(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = dict(
+        h=torch.randn(B, L, H, generator=g).to(dtype).requires_grad_(True),
+        w=(torch.randn(V, H, generator=g) * 0.02).to(dtype).requires_grad_(True),
+        rh=torch.randn(B, L, H, generator=g).to(dtype),
+        rw=(torch.randn(V, H, generator=g) * 0.02).to(dtype),
+        t=torch.randint(0, V, (B, L), generator=g),
+    )
+    x["t"][:, : L // 2] = -100
+    return x
+
+
+def _run(kind, dtype, sim, **kw):
+    x = _inputs(dtype)
+    fn = ChunkedDPOLoss(beta=0.1, **kw) if kind == "dpo" else ChunkedKTOLoss(beta=0.1, use_ref_model=True, **kw)
+    with _plan.simulated_accelerator(80 * GB) if sim else contextlib.nullcontext():
+        if kind == "dpo":
+            loss = fn(x["w"], x["h"], x["t"], None, x["rh"], x["rw"], None)[0]
+        else:
+            pref = torch.arange(B) % 2 == 0
+            loss = fn(_input=x["h"], lin_weight=x["w"], target=x["t"], bias=None, preference_labels=pref,
+                      ref_input=x["rh"], ref_weight=x["rw"], ref_bias=None, kl=torch.tensor(0.1))[0]  # fmt: skip
+        loss.backward()
+    return fn, [loss.detach(), x["h"].grad, x["w"].grad]
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+@pytest.mark.parametrize("one_pass", [None, False], ids=["default", "two-pass"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_simulated_accelerator_computes_what_the_cpu_computes(kind, one_pass, dtype):
+    """Same loss and gradients as the CPU's own plan, on the accelerator's sweep (measured, of each quantity's scale:
+    bf16 at most 2.3e-4 (grad-input), 1.7e-5 (grad-weight), 4.8e-7 (loss); fp32 at most 1.6e-6); token_chunk_size=8
+    makes every pair and row longer than a chunk, so the long groups' sums and the two-pass backward's vocabulary
+    blocks run through the emulated fp32-output GEMMs too."""
+    for chunk in (None, 8):
+        cpu_fn, cpu = _run(kind, dtype, False, one_pass=one_pass, token_chunk_size=chunk)
+        sim_fn, sim = _run(kind, dtype, True, one_pass=one_pass, token_chunk_size=chunk)
+        assert sim_fn.last_sweep == "eager" and cpu_fn.last_sweep == ("tiles" if dtype == torch.bfloat16 else "eager")
+        assert sim_fn.last_path == cpu_fn.last_path
+        bound = 2e-3 if dtype == torch.bfloat16 else 1e-5
+        for a, b in zip(sim, cpu):
+            assert float((a.float() - b.float()).abs().max()) <= bound * float(b.float().abs().max())
+
+
+def test_the_plan_is_the_accelerators_inside_the_context_and_the_cpus_outside():
+    cpu = torch.device("cpu")
+    assert _plan.device_kind(cpu) == "cpu" and _plan.simulated(cpu) is None
+    before = (_plan.logits_budget_bytes(cpu), _plan.held_budget_bytes(cpu), _plan.fp32_out(cpu, torch.bfloat16),
+              _plan.tiles_sweep(cpu, torch.bfloat16))  # fmt: skip
+    assert before == (128 << 20, 384 << 20, False, True)
+    with _plan.simulated_accelerator(80 * GB):
+        assert _plan.device_kind(cpu) == "accelerator" and _plan.device_kind(None) == "accelerator"
+        assert _plan.logits_budget_bytes(cpu) == 1 << 30
+        assert _plan.held_budget_bytes(cpu) == 80 * GB // _plan.HELD_BUDGET_FREE_FRACTION
+        assert _plan.fp32_out(cpu, torch.bfloat16) and not _plan.fp32_out(cpu, torch.float32)
+        assert not _plan.tiles_sweep(cpu, torch.bfloat16)
+        assert _plan.resolve_token_chunk_size(None, 151_936, cpu, torch.bfloat16) == 1766  # as on a GPU
+        with _plan.simulated_accelerator(4 << 30, fp32_out=False):  # torch < 2.10: the GEMM writes bf16
+            assert _plan.resolve_token_chunk_size(None, 151_936, cpu, torch.bfloat16) == 1177
+    assert (_plan.logits_budget_bytes(cpu), _plan.held_budget_bytes(cpu), _plan.fp32_out(cpu, torch.bfloat16),
+            _plan.tiles_sweep(cpu, torch.bfloat16)) == before  # fmt: skip
+    with pytest.raises(ValueError):
+        with _plan.simulated_accelerator(-1):
+            pass
