@@ -20,14 +20,14 @@ V, H, B, L = 1_000, 32, 4, 64
 GB = 10**9
 
 
-def _inputs(dtype, seed=0):
+def _inputs(dtype, seed=0, rows=B):
     g = torch.Generator().manual_seed(seed)
     x = dict(
-        h=torch.randn(B, L, H, generator=g).to(dtype).requires_grad_(True),
+        h=torch.randn(rows, L, H, generator=g).to(dtype).requires_grad_(True),
         w=(torch.randn(V, H, generator=g) * 0.02).to(dtype).requires_grad_(True),
-        rh=torch.randn(B, L, H, generator=g).to(dtype),
+        rh=torch.randn(rows, L, H, generator=g).to(dtype),
         rw=(torch.randn(V, H, generator=g) * 0.02).to(dtype),
-        t=torch.randint(0, V, (B, L), generator=g),
+        t=torch.randint(0, V, (rows, L), generator=g),
     )
     x["t"][:, : L // 2] = -100
     return x
@@ -85,3 +85,64 @@ def test_the_plan_is_the_accelerators_inside_the_context_and_the_cpus_outside():
     with pytest.raises(ValueError):
         with _plan.simulated_accelerator(-1):
             pass
+
+
+# ------------------------------------------------------------------ the plan at the GPU check's step (part (c))
+
+# Qwen2.5-7B's head, as gpu_check.py part (c) runs it: bf16 weights and hidden states, one DPO pair or two KTO rows
+# of L=4,096 tokens per rank, 50 % prompt (2,048 loss tokens a row: the hidden states the loss gets are L - 1 long)
+V7, H7, L7 = 151_936, 3_584, 4_096
+VH_BF16 = V7 * H7 * 2  # one bf16 (V, H) tensor: 1,089,077,248 B
+FREE = {"H100 80 GB": 80 * GB, "H200 141 GB": 141 * GB, "nearly full (4 GiB)": 4 << 30}
+# free memory -> (chunk rows, path, extra (V, H) sums, held bytes beyond the two-pass path), DPO and KTO alike
+PINNED = {
+    "H100 80 GB": (1766, "one-pass", 1, VH_BF16),
+    "H200 141 GB": (1766, "one-pass", 1, VH_BF16),
+    "nearly full (4 GiB)": (2048, "one-pass", 0, (2048 - 1766) * V7 * 4),
+}
+
+
+def _head_7b(rows):
+    """Stand-ins of the 7B head's inputs that hold a few bytes (expanded scalars): the plan reads only shapes,
+    dtypes, the device and the targets."""
+    hidden = torch.empty((), dtype=torch.bfloat16, requires_grad=True).expand(rows, L7 - 1, H7)
+    weight = torch.empty((), dtype=torch.bfloat16, requires_grad=True).expand(V7, H7)
+    target = torch.ones(rows, L7 - 1, dtype=torch.long)
+    target[:, : L7 // 2 - 1] = -100
+    return hidden, weight, target
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+@pytest.mark.parametrize("free", list(FREE))
+def test_the_default_plan_at_the_7b_head_is_pinned(kind, free):
+    """The default's plan at the GPU check's step for each stated free memory: a change to the accelerator's budget
+    rules (``_plan``) or to the path choice (``_base``) fails here, on any machine."""
+    hidden, weight, target = _head_7b(2)
+    assert int((target != -100).sum(1)[0]) == 2_048
+    fn = ChunkedDPOLoss(beta=0.1) if kind == "dpo" else ChunkedKTOLoss(beta=0.1, use_ref_model=True)
+    with _plan.simulated_accelerator(FREE[free]):
+        got = fn.planned(hidden, weight, target)
+    held = got["held"]
+    chunk, path, sums, extra = PINNED[free]
+    assert (got["chunk"], got["path"], got["sweep"]) == (chunk, path, "eager"), got
+    assert (held["vh_sums"], held["extra_bytes"], held["cast_bytes"]) == (sums, extra, 0), held
+
+
+@pytest.mark.parametrize("one_pass", [None, True, False], ids=["default", "one_pass=1", "one_pass=0"])
+def test_planned_is_what_the_call_records(monkeypatch, one_pass):
+    """:meth:`planned` says what a call then does.  One pair of 32-token rows, a chunk of 24 tokens: the pair is long;
+    the free memories make the default hold its sum (64,000 B), widen the chunk to a row (+32,000 B of logits) and
+    refuse both (two passes)."""
+    monkeypatch.setitem(_plan.LOGITS_BUDGET_BYTES, "accelerator", 24 * V * 4)
+    seen = set()
+    for free in (80 * GB, 40_000 * _plan.HELD_BUDGET_FREE_FRACTION, 1_000 * _plan.HELD_BUDGET_FREE_FRACTION):
+        x = _inputs(torch.bfloat16, rows=2)
+        fn = ChunkedDPOLoss(beta=0.1, one_pass=one_pass)
+        with _plan.simulated_accelerator(free):
+            want = fn.planned(x["h"], x["w"], x["t"])
+            fn(x["w"], x["h"], x["t"], None, x["rh"], x["rw"], None)[0].backward()
+        assert want == dict(path=fn.last_path, chunk=fn.last_chunk, sweep=fn.last_sweep, held=fn.last_held), free
+        seen.add((fn.last_path.split(":")[0], fn.last_chunk))
+    expected = {None: {("one-pass", 24), ("one-pass", 32), ("two-pass", 24)}, True: {("one-pass", 24)},
+                False: {("two-pass", 24)}}  # fmt: skip
+    assert seen == expected[one_pass], seen
