@@ -35,7 +35,9 @@ import torch
 from . import _tiles
 
 __all__ = [
+    "ACCUMULATOR_BYTES_PER_WEIGHT",
     "LOGITS_BUDGET_BYTES",
+    "MIN_ONE_PASS_ROWS",
     "Plan",
     "SWEEPS",
     "compute_dtype",
@@ -69,9 +71,20 @@ MAX_DEFAULT_CHUNK = 8192
 # sum of it (0.51 GiB) does not.  Measured (bench_step, 50 % prompt, benchmarks/results/cpu-2026-12-07-blocks): with
 # 768 MiB, one fp32 sum held at L=2,048 put the step's peak in the loss's forward, 93 MB above TRL 1.14's (replayed,
 # DPO; VmHWM 1.02x); with the sum and the cast (mixed) one pass peaked 1.05-1.08x.  An accelerator: 1/16 of its
-# free memory.
+# free memory, and (issue 45) at most :data:`ACCUMULATOR_BYTES_PER_WEIGHT` bytes per weight element less the default
+# chunk's own blocks (:func:`held_budget_bytes`).
 HELD_BUDGET_BYTES = {"cpu": 384 << 20}
 HELD_BUDGET_FREE_FRACTION = 16
+# An accelerator's one pass holds, beside the weight gradient, at most what an fp32 copy of it holds: its extra (V, H)
+# sums, a cast weight and one chunk's blocks (fp32 logits and the gradient block in the compute dtype) within 4 bytes
+# per weight element.  That is what TRL 1.14's and 1.16's chunked heads accumulate the weight gradient in beside their
+# half-precision result, so a one-pass forward never peaks above their backward (issue 45: simulated at Qwen2.5-7B's
+# head, benchmarks/sim_gpu_peak.py; one bf16 sum beside 1,766-token chunks did, by 0.33 GiB).
+ACCUMULATOR_BYTES_PER_WEIGHT = 4
+# The fewest tokens a narrowed one-pass chunk may hold (:meth:`_base.ChunkedLinearLoss.narrowed`): a bf16 GEMM
+# against the head reads each weight element once per chunk for 2 flops per row, so it is compute-bound above
+# peak flops / bandwidth rows (H100 SXM 989 TFLOPS / 3.35 TB/s: ~295 rows; H200 / 4.8 TB/s: ~206); 512 keeps ~2x that.
+MIN_ONE_PASS_ROWS = 512
 
 
 class SimulatedAccelerator(NamedTuple):
@@ -122,19 +135,28 @@ def logits_budget_bytes(device=None) -> int:
     return LOGITS_BUDGET_BYTES[device_kind(device)]
 
 
-def held_budget_bytes(device=None) -> int:
-    """What the default one-pass path may hold beyond the two-pass path (see :data:`HELD_BUDGET_BYTES`)."""
+def held_budget_bytes(device=None, weight_numel: int | None = None, chunk_bytes: int = 0) -> int:
+    """What the default one-pass path may hold beyond the two-pass path (see :data:`HELD_BUDGET_BYTES`).
+
+    On an accelerator: 1/16 of its free memory (a simulated one's stated free memory) and, given the head's
+    ``weight_numel``, at most ``ACCUMULATOR_BYTES_PER_WEIGHT * weight_numel - chunk_bytes`` (``chunk_bytes``: what
+    the default plan's largest chunk holds, :meth:`Plan.chunk_bytes`), or 0 where that chunk alone holds more (a plan
+    that holds nothing beyond the two-pass path is never refused)."""
     if device_kind(device) == "cpu":
         return HELD_BUDGET_BYTES["cpu"]
     sim = simulated(device)
     if sim is not None:
-        return sim.free_bytes // HELD_BUDGET_FREE_FRACTION
-    kind = torch.device(device).type
-    try:
-        free, _total = torch.cuda.mem_get_info(device) if kind == "cuda" else (None, None)
-    except (RuntimeError, AssertionError, ValueError):
-        free = None
-    return LOGITS_BUDGET_BYTES["accelerator"] if free is None else int(free) // HELD_BUDGET_FREE_FRACTION
+        budget = sim.free_bytes // HELD_BUDGET_FREE_FRACTION
+    else:
+        kind = torch.device(device).type
+        try:
+            free, _total = torch.cuda.mem_get_info(device) if kind == "cuda" else (None, None)
+        except (RuntimeError, AssertionError, ValueError):
+            free = None
+        budget = LOGITS_BUDGET_BYTES["accelerator"] if free is None else int(free) // HELD_BUDGET_FREE_FRACTION
+    if weight_numel is not None:
+        budget = min(budget, max(0, ACCUMULATOR_BYTES_PER_WEIGHT * int(weight_numel) - int(chunk_bytes)))
+    return budget
 
 
 @functools.cache
@@ -315,8 +337,13 @@ class Plan(NamedTuple):
         return self.sweep.startswith("tiles")
 
     def chunk_bytes(self, vocab_size: int) -> int:
-        """What one chunk's logits hold (the budget's share that scales with the chunk)."""
-        return self.chunk * vocab_size * logit_bytes(self.cdtype, self.tiles, self.fast)
+        """What one chunk of a one-pass forward holds at once (the share that scales with the chunk): its logits
+        and, where the GEMM writes them in fp32 from half inputs, the gradient block in the compute dtype made from
+        them (elsewhere it takes the half buffer, or is the block itself)."""
+        per_logit = logit_bytes(self.cdtype, self.tiles, self.fast)
+        if self.fast and self.cdtype.itemsize < self.mdtype.itemsize:
+            per_logit += self.cdtype.itemsize
+        return self.chunk * vocab_size * per_logit
 
     def block_rows(self, weight: torch.Tensor) -> int:
         """Vocabulary rows per block where the weight gradient needs an fp32 tile (half precision, or a weight of
