@@ -39,10 +39,11 @@ kernel per reference layer, ``cunn_SoftMaxForwardReg<float, float, float>``; CUD
 half precision only) -- and in bf16 on the flash backend (under autocast, as routed now).  Both are plain torch ops
 (``scaled_dot_product_attention`` on the backend named), so the CPU allocates what the GPU does.  ``body``: the
 step's 2-layer Qwen3 body (Qwen2.5-7B's layer sizes, the tied 151,936 x 3,584 embedding) in bf16 under bf16 autocast,
-no head: the policy's forward with gradient, the reference's without (the same weights), the backward from a
-stand-in gradient of the policy's hidden states; the replay says what the policy's saved activations hold, the
-reference forward's peak beside them and the backward's peak (``phases``), for :func:`step_peak` to put beside each
-arm's head loss.  CPU SDPA runs flash attention as the GPU does in bf16 (no ``L x L`` tensor).
+with gradient checkpointing (TRL's DPO and KTO configs turn it on by default, and part (c) keeps it), no head: the
+policy's forward with gradient, the reference's without (the same weights), the backward from a stand-in gradient of
+the policy's hidden states; the replay says what the policy's saved activations hold, the reference forward's peak
+beside them and the backward's peak (``phases``), for :func:`step_peak` to put beside each arm's head loss.  CPU SDPA
+runs flash attention as the GPU does in bf16 (no ``L x L`` tensor).
 
 The losses on top are ``_arms``' sigmoid DPO and KTO (TRL's formulas; a few scalars).  ``ours`` runs the emulated
 fp32-output GEMMs of ``_gemm``: what their ``_emulated_product`` frame allocates is dropped the same way.  Nothing
@@ -250,6 +251,7 @@ def run_body(L: int, V: int = V, H: int = H) -> dict:
         model = Qwen3ForCausalLM(cfg).train()
     finally:
         torch.set_default_dtype(torch.float32)
+    model.gradient_checkpointing_enable()  # DPOConfig's and KTOConfig's default (TRL 1.x): gradient_checkpointing=True
     ids = torch.randint(3, V, (2, L))
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
@@ -268,7 +270,7 @@ def run_body(L: int, V: int = V, H: int = H) -> dict:
     r = replay(events)
     return dict(arm="body", trainer="-", L=L, free=None, peak=r["peak"], cpu_peak=r["peak"], dropped=0,
                 sites=r["sites"], at=r["at"], wall_s=round(wall, 1), phases=phases(prof, events),
-                params=sum(p.numel() * p.element_size() for p in model.parameters()),
+                params=sum(p.numel() * p.element_size() for p in model.parameters()), checkpointing=True,
                 hidden_bytes=hp.numel() * hp.element_size())  # fmt: skip
 
 
@@ -416,6 +418,65 @@ def replay(events, drop=(), top: int = 12) -> dict:
     return dict(peak=peak, at=at, sites=sites, dropped=dropped)
 
 
+# ------------------------------------------------------------------------------------------------ a step, composed
+
+# The H200 step's bytes allocated before it (gpu_check.py part (c), 2026-12-04, base_gib 7.5437 in
+# results/h200-2026-12-04/gpu_check.json): the bf16 policy, TRL's own float32 reference and DDP's gradient buckets,
+# the same for every arm.
+STEP_BASE = 8_099_971_072
+# Which simulated head rows a step arm runs (arm, and fields the rows must have): the default as the new rule plans it
+# at 80 GB free (the free memory at the loss call stays large: the step's peak is later, in the body's backward)
+CAPACITY_ARMS = {"default": ("ours", dict(free_key="h100", rule="after")), "one_pass=1": ("ours_1p", {}),
+                 "TRL 1.14": ("trl114", {}), "TRL 1.16": ("trl116", {}), "Liger-off": ("off", {})}  # fmt: skip
+
+
+def _line(points):
+    """``(a, b)`` of ``a + b L`` through the two longest of the ``(L, bytes)`` points (a linear fit: two lengths,
+    nothing more)."""
+    (l1, y1), (l2, y2) = sorted(points)[-2:]
+    b = (y2 - y1) / (l2 - l1)
+    return y1 - b * l1, b
+
+
+def step_peak(rows: list[dict], trainer: str = "dpo") -> dict:
+    """Per step arm, the lines (bytes over :data:`STEP_BASE` as ``a + b L``) of the step's three phases, composed
+    from the simulated body (``body``) and head rows: the reference's forward beside the policy's activations; the
+    head loss beside the activations and both hidden states; the body's backward beside the head's weight gradient.
+    A model of a step from simulated phases, not one simulated step."""
+    body = [r for r in rows if r.get("arm") == "body" and "phases" in r and r.get("checkpointing")]
+    ph = {name: _line([(r["L"], r["phases"][key][kind]) for r in body])
+          for name, key, kind in (("ref", "ref_forward", "peak"), ("live", "ref_forward", "end"),
+                                  ("bwd", "backward", "peak"))}  # fmt: skip
+    out = {}
+    for name, (arm, fields) in CAPACITY_ARMS.items():
+        heads = [r for r in rows if r.get("arm") == arm and r.get("trainer") == trainer and "peak" in r
+                 and all(r.get(k) == v for k, v in fields.items())]  # fmt: skip
+        if len({r["L"] for r in heads}) < 2:
+            continue
+        head = _line([(r["L"], r["peak"]) for r in heads])
+        w_grad = max(r["results"]["w_grad"] or 0 for r in heads)
+        loss = (ph["live"][0] + head[0], ph["live"][1] + head[1])
+        out[name] = dict(ref=ph["ref"], loss=loss, bwd=(ph["bwd"][0] + w_grad, ph["bwd"][1]),
+                         lengths=sorted({r["L"] for r in heads}))  # fmt: skip
+    return out
+
+
+def at(lines: dict, L: float) -> float:
+    """The composed step's peak over its base at ``L``: the largest phase."""
+    return max(a + b * L for key, (a, b) in lines.items() if key != "lengths")
+
+
+def capacity(lines: dict, limit: float) -> int:
+    """The longest ``L`` whose composed peak plus :data:`STEP_BASE` fits ``limit`` bytes (bisection on the lines)."""
+    lo, hi = 1, 1 << 22
+    if STEP_BASE + at(lines, lo) > limit:
+        return 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if STEP_BASE + at(lines, mid) <= limit else (lo, mid)
+    return lo
+
+
 # ------------------------------------------------------------------------------------------------ the launcher
 
 
@@ -471,6 +532,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--size", default=f"{V}x{H}", help="VxH of the head (a smaller one for a smoke run)")
     ap.add_argument("--json", default=None, help="append the rows to this JSON file (a list)")
+    ap.add_argument("--capacity", metavar="JSON", help="compose the step from a run's rows and print its capacity")
+    ap.add_argument("--limit-gb", type=float, default=80.0, help="per-rank memory for --capacity, in 10**9 bytes")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -483,6 +546,18 @@ def main(argv=None) -> int:
         else:
             row = run_arm(spec["arm"], spec["kind"], spec["L"], spec["free"], spec["V"], spec["H"])
         print(json.dumps(row), flush=True)
+        return 0
+    if args.capacity:
+        data = json.loads(Path(args.capacity).read_text())
+        rows = data["rows"] if isinstance(data, dict) else data  # a results file, or what --json appended
+        for trainer in args.trainers.split(","):
+            for name, lines in step_peak(rows, trainer).items():
+                cap = capacity(lines, args.limit_gb * 1e9)
+                at4096 = (STEP_BASE + at(lines, 4096)) / GIB
+                there = ", ".join(f"{k} {(STEP_BASE + a + b * cap) / GIB:.1f}" for k, (a, b) in lines.items()
+                                  if k != "lengths")  # fmt: skip
+                print(f"{trainer} {name:11} step at L=4,096 {at4096:6.2f} GiB; longest L within {args.limit_gb:g} GB: "
+                      f"{cap:,} (lines from L={lines['lengths']}; there, GiB: {there})")  # fmt: skip
         return 0
     size = tuple(int(v) for v in args.size.split("x"))
     rows = []
