@@ -345,6 +345,49 @@ def check_verify_digest(table, raw, out):
                 out.cell(table, line, cells[0], name, cell, raw, value)
 
 
+# ------------------------------------------------------------------------------ sim_gpu_peak.py (its rows' JSON)
+
+SIM_ARMS = {"default": "ours", "one_pass=1": "ours_1p", "one_pass=0": "ours_2p", "TRL 1.14": "trl114",
+            "TRL 1.16": "trl116", "Liger-off": "off"}  # fmt: skip
+SIM_FREE = {"80 GB": "h100", "141 GB": "h200", "4 GiB": "full", "-": None}
+SIM_KEYS = ("trainer", "L", "arm", "free", "rule")
+
+
+def check_sim_peak(table, raw, out):
+    """A simulated head-loss peak per row: the run's row of that trainer, length, arm, free memory and rule."""
+    rows = json.loads(raw.read_text())["rows"]
+    for line, cells in table.rows:
+        key = tuple(plain(c) for c in cells[: len(SIM_KEYS)])
+        trainer, L, arm, free, rule = key
+        found = [r for r in rows if r["trainer"] == trainer.lower() and r["L"] == int(L.replace(",", ""))
+                 and r["arm"] == SIM_ARMS[arm] and r.get("free_key") == SIM_FREE[free]
+                 and r.get("rule", "-") == rule]  # fmt: skip
+        assert len(found) == 1, f"benchmarks/README.md:{line}: {len(found)} rows of {raw.relative_to(ROOT)} match {key}"
+        r = found[0]
+        for name, cell in zip(table.header[len(SIM_KEYS) :], cells[len(SIM_KEYS) :]):
+            if name == "path":
+                value = {"one-pass": "one pass", "two-pass": "two passes"}.get(
+                    (r.get("path") or "-").split(":")[0], "-"
+                )
+                ok = plain(cell) == value
+            elif name == "chunk":
+                value = r.get("chunk") or "-"
+                ok = plain(cell) == (f"{value:,}" if value != "-" else "-")
+            elif name == "sums":
+                value = (r.get("held") or {}).get("vh_sums", "-")
+                ok = plain(cell) == str(value)
+            elif name == "peak GiB":
+                value = r["peak"] / 2**30
+                ok = same(cell, value)
+            elif name == "CPU replay GiB":
+                value = r["cpu_peak"] / 2**30
+                ok = same(cell, value)
+            else:
+                continue  # prose (the sites at the peak)
+            if not ok:
+                out.cell(table, line, key, name, cell, raw, value)
+
+
 # ----------------------------------------------------------------------------------------------------- tests
 
 # (first header cells, the file a folder link means, checker); the step tables are checked row by row
@@ -356,6 +399,7 @@ CHECKERS = (
     (("trainer", "arm", "s/step"), "gpu_check.json", check_gpu_step),
     (("median save (model + optimizer state)",), None, check_verify_save),
     (("run", "median save", "median weights check"), None, check_verify_digest),
+    (SIM_KEYS, "sim_gpu_peak.json", check_sim_peak),
 )
 
 

@@ -179,18 +179,8 @@ class ChunkedLinearLoss(torch.nn.Module):
         sel = _tokens.select_tokens(hidden, target, self.ignore_index)
         plan = Plan.of(hidden, weight, self.token_chunk_size, self.sweep, bias)
         path, loss_of = self._path(needs_grad(hidden, weight, bias), sel, batch)
-        self.last_held = None
-        one = plan
-        if path == ONE_PASS:
-            schedule = _onepass.group_chunks(sel.rows, loss_of.group_of_row, sel.counts, plan.chunk)
-            held = self.held(schedule[1], weight, plan)
-            budget = _plan.held_budget_bytes(hidden.device)
-            if self.one_pass is None and self.token_chunk_size is None and held["extra_bytes"] > budget:
-                one, schedule, held = self.widened(sel, loss_of.group_of_row, weight, plan, schedule, held)
-            self.last_held = held
-            if self.one_pass is None and held["extra_bytes"] > budget:
-                one, path = plan, (f"{TWO_PASS}: one pass would hold {held['extra_bytes'] / 2**20:.0f} MiB more "
-                                   f"(> {budget / 2**20:.0f} MiB)")  # fmt: skip
+        path, one, schedule, held = self._choose(path, sel, loss_of, weight, plan, hidden.device)
+        self.last_held = held
         self.last_path, self.last_chunk, self.last_sweep = path, one.chunk, one.sweep
         if path == ONE_PASS:
             loss, sums = _onepass.OnePassLoss.apply(
@@ -199,6 +189,40 @@ class ChunkedLinearLoss(torch.nn.Module):
             return loss, sums, sel.counts
         sums = _tokens.sequence_sums(_twopass.selected_logprobs(sel, weight, bias, plan), sel.rows, target.shape[0])
         return loss_of(sums), sums.detach(), sel.counts
+
+    def planned(self, hidden, weight, target, bias=None) -> dict:
+        """What the policy pass of a call with these inputs (a gradient needed) would do, without running it:
+        ``path``, ``chunk`` (tokens per GEMM), ``sweep`` and ``held`` (:meth:`held`, None off the one-pass path),
+        as :meth:`policy_loss` would record them.  Only shapes, dtypes, the device and the targets are read (inside
+        ``_plan.simulated_accelerator`` a CPU call is planned as on an accelerator): the tests pin plans with it."""
+        sel = _tokens.select_tokens(hidden, target, self.ignore_index)
+        plan = Plan.of(hidden, weight, self.token_chunk_size, self.sweep, bias)
+        path, loss_of = self._path(True, sel, None)
+        path, one, _schedule, held = self._choose(path, sel, loss_of, weight, plan, hidden.device)
+        return dict(path=path, chunk=one.chunk, sweep=one.sweep, held=held)
+
+    def _choose(self, path, sel, loss_of, weight, plan: Plan, device):
+        """``(path, plan, one-pass schedule or None, held or None)``: on the one-pass path, the schedule of ``plan``'s
+        chunk, or of a widened one (:meth:`widened`) or, on an accelerator, a narrowed one (:meth:`narrowed`), or the
+        two-pass path where the default's one pass would hold more than :func:`_plan.held_budget_bytes` beyond it."""
+        if path != ONE_PASS:
+            return path, plan, None, None
+        schedule = _onepass.group_chunks(sel.rows, loss_of.group_of_row, sel.counts, plan.chunk)
+        held = self.held(schedule[1], weight, plan)
+        rows = max((c.end - c.start for c in schedule[1]), default=0)  # the largest chunk: fewer tokens than a chunk
+        budget = _plan.held_budget_bytes(device, weight.numel(), plan._replace(chunk=rows).chunk_bytes(weight.shape[0]))
+        one = plan
+        if self.one_pass is None and self.token_chunk_size is None and held["extra_bytes"] > budget:
+            one, schedule, held = self.widened(sel, loss_of.group_of_row, weight, plan, schedule, held)
+            if held["extra_bytes"] > budget and _plan.device_kind(device) == "accelerator":
+                one, schedule, held = self.narrowed(
+                    sel, loss_of.group_of_row, weight, plan, budget, one, schedule, held
+                )
+        if self.one_pass is None and held["extra_bytes"] > budget:
+            path = (f"{TWO_PASS}: one pass would hold {held['extra_bytes'] / 2**20:.0f} MiB more "
+                    f"(> {budget / 2**20:.0f} MiB)")  # fmt: skip
+            return path, plan, None, held
+        return path, one, schedule, held
 
     @staticmethod
     def held(chunks, weight, plan: Plan, chunk_bytes: int = 0) -> dict:
@@ -231,6 +255,29 @@ class ChunkedLinearLoss(torch.nn.Module):
                     return wide, wide_schedule, wide_held
                 break
         return plan, schedule, held
+
+    def narrowed(self, sel, group_of_row, weight, plan: Plan, budget: int, one: Plan, schedule, held):
+        """On an accelerator, where neither ``plan``'s chunk nor a widened one fits ``budget``: ``(plan, schedule,
+        held)`` with the token chunk narrowed so that its long groups' sums and its smaller blocks fit, if that chunk
+        holds at least :data:`_plan.MIN_ONE_PASS_ROWS` tokens (a GEMM still compute-bound); else ``one``'s.  At
+        Qwen2.5-7B's bf16 head a DPO pair of 4,096-token rows then takes one pass in 1,194-token chunks holding one
+        bf16 sum, its sum and chunk within the 4 bytes per weight element of an fp32 accumulator, where the budget
+        alone would send it to two passes: three GEMMs per token instead of four (issue 45)."""
+        V = weight.shape[0]
+        per_row = plan.chunk_bytes(V) // max(1, plan.chunk)
+        first = self.held(schedule[1], weight, plan)["vh_sums"]
+        each = weight.numel() * weight.element_size()
+        cast = held["cast_bytes"]
+        for sums in (first, first + 1):  # a narrower chunk holds at least the sums of the default's
+            chunk = min(plan.chunk - 1, plan.chunk + (budget - sums * each - cast) // max(1, per_row))
+            if chunk < _plan.MIN_ONE_PASS_ROWS:
+                break
+            narrow = plan._replace(chunk=chunk)
+            narrow_schedule = _onepass.group_chunks(sel.rows, group_of_row, sel.counts, chunk)
+            narrow_held = self.held(narrow_schedule[1], weight, narrow, narrow.chunk_bytes(V) - plan.chunk_bytes(V))
+            if narrow_held["vh_sums"] <= sums and narrow_held["extra_bytes"] <= budget:
+                return narrow, narrow_schedule, narrow_held
+        return one, schedule, held
 
     def _path(self, grad: bool, sel, batch):
         """``(the path, the loss as a function of the per-row sums)``."""

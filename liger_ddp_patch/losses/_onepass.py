@@ -365,7 +365,7 @@ class _Run:
             glc = self.bufs.lowp(gl, plan.cdtype)
         gh = None
         if self.grad_h is not None:
-            gh = torch.mm(glc, self.w, out_dtype=torch.float32) if plan.fast else glc @ self.w
+            gh = _gemm.mm_fp32(glc, self.w) if plan.fast else glc @ self.w
         if c.pending is not None:
             self.long.add(c.pending, s, e, glc, gl if self.grad_b is not None else None, h, gh)
             return

@@ -12,11 +12,18 @@ device (as autocast would run ``F.linear``; fp64 inputs are left alone, as autoc
 Both paths run with autocast off (:func:`no_autocast`), so a recomputed softmax is the one whose log-sum-exp was
 stored.  The log-sum-exp, the softmax, the per-token log-probs and their row sums, all reductions and the gradient
 accumulators are fp32, and fp64 for fp64 inputs (:attr:`Plan.mdtype`: fp64 inputs are fp64 throughout).
+
+Simulation (issue 45): inside :func:`simulated_accelerator` a call on CPU tensors is planned by the accelerator's
+rules for a stated free memory -- the accelerator budget, the held budget of that free memory, no ``_tiles`` sweep,
+the non-fused softmax steps and, by default, fp32-output GEMMs (emulated on CPU by ``_gemm``) -- so that it takes the
+chunk rows, the path and the held sums a GPU call of the same shapes takes, and allocates what that call allocates
+(``benchmarks/sim_gpu_peak.py`` replays them).  Outside it nothing changes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib.util
 import os
@@ -28,7 +35,9 @@ import torch
 from . import _tiles
 
 __all__ = [
+    "ACCUMULATOR_BYTES_PER_WEIGHT",
     "LOGITS_BUDGET_BYTES",
+    "MIN_ONE_PASS_ROWS",
     "Plan",
     "SWEEPS",
     "compute_dtype",
@@ -37,9 +46,12 @@ __all__ = [
     "held_budget_bytes",
     "logit_bytes",
     "logits_budget_bytes",
+    "device_kind",
     "math_dtype",
     "no_autocast",
     "resolve_token_chunk_size",
+    "simulated",
+    "simulated_accelerator",
     "sweep_of",
     "tiles_sweep",
     "vocab_block_rows",
@@ -59,27 +71,92 @@ MAX_DEFAULT_CHUNK = 8192
 # sum of it (0.51 GiB) does not.  Measured (bench_step, 50 % prompt, benchmarks/results/cpu-2026-12-07-blocks): with
 # 768 MiB, one fp32 sum held at L=2,048 put the step's peak in the loss's forward, 93 MB above TRL 1.14's (replayed,
 # DPO; VmHWM 1.02x); with the sum and the cast (mixed) one pass peaked 1.05-1.08x.  An accelerator: 1/16 of its
-# free memory.
+# free memory, and (issue 45) at most :data:`ACCUMULATOR_BYTES_PER_WEIGHT` bytes per weight element less the default
+# chunk's own blocks (:func:`held_budget_bytes`).
 HELD_BUDGET_BYTES = {"cpu": 384 << 20}
 HELD_BUDGET_FREE_FRACTION = 16
+# An accelerator's one pass holds, beside the weight gradient, at most what an fp32 copy of it holds: its extra (V, H)
+# sums, a cast weight and one chunk's blocks (fp32 logits and the gradient block in the compute dtype) within 4 bytes
+# per weight element.  That is what TRL 1.14's and 1.16's chunked heads accumulate the weight gradient in beside their
+# half-precision result, so a one-pass forward never peaks above their backward (issue 45: simulated at Qwen2.5-7B's
+# head, benchmarks/sim_gpu_peak.py; one bf16 sum beside 1,766-token chunks did, by 0.33 GiB).
+ACCUMULATOR_BYTES_PER_WEIGHT = 4
+# The fewest tokens a narrowed one-pass chunk may hold (:meth:`_base.ChunkedLinearLoss.narrowed`): a bf16 GEMM
+# against the head reads each weight element once per chunk for 2 flops per row, so it is compute-bound above
+# peak flops / bandwidth rows (H100 SXM 989 TFLOPS / 3.35 TB/s: ~295 rows; H200 / 4.8 TB/s: ~206); 512 keeps ~2x that.
+MIN_ONE_PASS_ROWS = 512
+
+
+class SimulatedAccelerator(NamedTuple):
+    """What :func:`simulated_accelerator` plans a CPU call as: ``free_bytes`` of free device memory (the held budget's
+    base, as ``torch.cuda.mem_get_info`` reports it), and whether its GEMMs write fp32 from half inputs (CUDA with
+    torch >= 2.10: yes)."""
+
+    free_bytes: int
+    fp32_out: bool = True
+
+
+_SIMULATED: contextvars.ContextVar[SimulatedAccelerator | None] = contextvars.ContextVar(
+    "liger_ddp_patch_simulated_accelerator", default=None
+)
+
+
+@contextlib.contextmanager
+def simulated_accelerator(free_bytes: int, fp32_out: bool = True):
+    """Within this context a loss call on CPU tensors is planned, and allocates, as on an accelerator with
+    ``free_bytes`` free (see the module docstring): enclose its forward *and* its backward.  A benchmark's and the
+    tests' tool (no GPU needed to pin or replay a GPU plan); the results are the CPU's numbers, the memory the GPU's
+    but for the emulated GEMMs' column blocks (``_gemm``)."""
+    if isinstance(free_bytes, bool) or int(free_bytes) != free_bytes or free_bytes < 0:
+        raise ValueError(f"free_bytes must be a non-negative integer, got {free_bytes!r}")
+    token = _SIMULATED.set(SimulatedAccelerator(int(free_bytes), bool(fp32_out)))
+    try:
+        yield
+    finally:
+        _SIMULATED.reset(token)
+
+
+def simulated(device=None) -> SimulatedAccelerator | None:
+    """The accelerator a CPU ``device`` (None = CPU) is planned as inside :func:`simulated_accelerator`, else None."""
+    if device is not None and torch.device(device).type != "cpu":
+        return None
+    return _SIMULATED.get()
+
+
+def device_kind(device=None) -> str:
+    """``"cpu"`` or ``"accelerator"``: whose rules plan a call on ``device`` (a CPU inside
+    :func:`simulated_accelerator` is an accelerator)."""
+    kind = "cpu" if device is None else torch.device(device).type
+    return "accelerator" if kind != "cpu" or simulated(device) is not None else "cpu"
 
 
 def logits_budget_bytes(device=None) -> int:
     """The default per-chunk memory budget for ``device`` (a ``torch.device``, a type string, or None = CPU)."""
-    kind = "cpu" if device is None else torch.device(device).type
-    return LOGITS_BUDGET_BYTES["cpu" if kind == "cpu" else "accelerator"]
+    return LOGITS_BUDGET_BYTES[device_kind(device)]
 
 
-def held_budget_bytes(device=None) -> int:
-    """What the default one-pass path may hold beyond the two-pass path (see :data:`HELD_BUDGET_BYTES`)."""
-    kind = "cpu" if device is None else torch.device(device).type
-    if kind == "cpu":
+def held_budget_bytes(device=None, weight_numel: int | None = None, chunk_bytes: int = 0) -> int:
+    """What the default one-pass path may hold beyond the two-pass path (see :data:`HELD_BUDGET_BYTES`).
+
+    On an accelerator: 1/16 of its free memory (a simulated one's stated free memory) and, given the head's
+    ``weight_numel``, at most ``ACCUMULATOR_BYTES_PER_WEIGHT * weight_numel - chunk_bytes`` (``chunk_bytes``: what
+    the default plan's largest chunk holds, :meth:`Plan.chunk_bytes`), or 0 where that chunk alone holds more (a plan
+    that holds nothing beyond the two-pass path is never refused)."""
+    if device_kind(device) == "cpu":
         return HELD_BUDGET_BYTES["cpu"]
-    try:
-        free, _total = torch.cuda.mem_get_info(device) if kind == "cuda" else (None, None)
-    except (RuntimeError, AssertionError, ValueError):
-        free = None
-    return LOGITS_BUDGET_BYTES["accelerator"] if free is None else int(free) // HELD_BUDGET_FREE_FRACTION
+    sim = simulated(device)
+    if sim is not None:
+        budget = sim.free_bytes // HELD_BUDGET_FREE_FRACTION
+    else:
+        kind = torch.device(device).type
+        try:
+            free, _total = torch.cuda.mem_get_info(device) if kind == "cuda" else (None, None)
+        except (RuntimeError, AssertionError, ValueError):
+            free = None
+        budget = LOGITS_BUDGET_BYTES["accelerator"] if free is None else int(free) // HELD_BUDGET_FREE_FRACTION
+    if weight_numel is not None:
+        budget = min(budget, max(0, ACCUMULATOR_BYTES_PER_WEIGHT * int(weight_numel) - int(chunk_bytes)))
+    return budget
 
 
 @functools.cache
@@ -102,7 +179,11 @@ def fp32_output_gemm(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def fp32_out(device, dtype) -> bool:
-    """Whether the GEMMs of ``dtype`` on ``device`` write fp32 themselves (never on CPU)."""
+    """Whether the GEMMs of ``dtype`` on ``device`` write fp32 themselves (never on CPU; a simulated accelerator's
+    say, for half dtypes: ``_gemm`` emulates them)."""
+    sim = simulated(device)
+    if sim is not None:
+        return sim.fp32_out and dtype in (torch.float16, torch.bfloat16)
     kind = "cpu" if device is None else torch.device(device).type
     return kind != "cpu" and fp32_output_gemm(kind, dtype)
 
@@ -137,9 +218,9 @@ def math_dtype(cdtype: torch.dtype) -> torch.dtype:
 
 def tiles_sweep(device, cdtype: torch.dtype, bias=None) -> bool:
     """Whether a chunk's sweep runs on row tiles of its half-precision block (``_tiles``): on CPU (the GEMM writes
-    the half dtype), in half precision, without a bias (whose gradient is summed from the fp32 block)."""
-    kind = "cpu" if device is None else torch.device(device).type
-    return kind == "cpu" and cdtype in (torch.float16, torch.bfloat16) and bias is None
+    the half dtype; not a simulated accelerator), in half precision, without a bias (whose gradient is summed from
+    the fp32 block)."""
+    return device_kind(device) == "cpu" and cdtype in (torch.float16, torch.bfloat16) and bias is None
 
 
 def resolve_token_chunk_size(
@@ -256,8 +337,13 @@ class Plan(NamedTuple):
         return self.sweep.startswith("tiles")
 
     def chunk_bytes(self, vocab_size: int) -> int:
-        """What one chunk's logits hold (the budget's share that scales with the chunk)."""
-        return self.chunk * vocab_size * logit_bytes(self.cdtype, self.tiles, self.fast)
+        """What one chunk of a one-pass forward holds at once (the share that scales with the chunk): its logits
+        and, where the GEMM writes them in fp32 from half inputs, the gradient block in the compute dtype made from
+        them (elsewhere it takes the half buffer, or is the block itself)."""
+        per_logit = logit_bytes(self.cdtype, self.tiles, self.fast)
+        if self.fast and self.cdtype.itemsize < self.mdtype.itemsize:
+            per_logit += self.cdtype.itemsize
+        return self.chunk * vocab_size * per_logit
 
     def block_rows(self, weight: torch.Tensor) -> int:
         """Vocabulary rows per block where the weight gradient needs an fp32 tile (half precision, or a weight of

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import torch
 
+from . import _plan
+
 __all__ = ["fused_log_softmax", "softmax_"]
 
 
 def fused_log_softmax(device: torch.device) -> bool:
     """Whether :func:`softmax_` takes torch's fused in-place row kernels (CPU: ``_softmax``, ``_log_softmax``) or the
     max / exp / sum steps with a row scale left to the caller (elsewhere).  A function, so that the tests can run the
-    second branch on CPU."""
-    return device.type == "cpu"
+    second branch on CPU; a simulated accelerator (``_plan.simulated_accelerator``) takes it too."""
+    return device.type == "cpu" and _plan.simulated(device) is None
 
 
 def softmax_(logits: torch.Tensor, labels: torch.Tensor, probs: bool = True):

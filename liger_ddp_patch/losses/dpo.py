@@ -155,10 +155,10 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
 
     Paths: with a gradient, every loss type takes the one-pass path (gradients formed in the forward,
     ``_onepass``; the loss is a sum of per-pair terms by construction, ``_base``; a long pair's ``(V, H)`` sums
-    or, where they exceed the budget, a chunk widened to its longest row) unless that would hold more than the two-pass
-    path by a budget (``_plan.held_budget_bytes``, a weight cast under autocast included), then the two-pass path
-    (``_twopass``); ``one_pass=True``: always one pass, chunk unchanged; ``one_pass=False``: always two; without a
-    gradient, one GEMM per token.
+    or, where they exceed the budget, a chunk widened to its longest row or, on an accelerator, narrowed) unless that
+    would hold more than the two-pass path by a budget (``_plan.held_budget_bytes``, a weight cast under autocast
+    included), then the two-pass path (``_twopass``); ``one_pass=True``: always one pass, chunk unchanged;
+    ``one_pass=False``: always two; without a gradient, one GEMM per token.
 
     Args (same names/defaults as ``LigerFusedLinearDPOLoss`` 0.8.5 and TRL 1.13 ``FusedLinearDPOLoss``):
         ignore_index: label value that marks positions without loss (prompt, padding).
@@ -171,7 +171,7 @@ class ChunkedDPOLoss(ChunkedLinearLoss):
             one chunk's logits fill a memory budget of 128 MiB on CPU and 1 GiB on an accelerator
             (``_plan.resolve_token_chunk_size``; 1048 tokens for fp32 on CPU at V=32000).
         one_pass: (our own keyword) ``None`` (default): one pass within the held budget (auto chunks widened to
-            a long pair's row where its sums would not fit), else two;
+            a long pair's row where its sums would not fit, or on an accelerator narrowed until they do), else two;
             ``True`` forces the one-pass path (up to two extra ``(V, H)`` sums during its forward for pairs longer
             than a chunk: ``_onepass``); ``False`` forces the two-pass path: one more GEMM per policy token, but no
             gradient held from the forward to the backward.

@@ -96,7 +96,7 @@ class ChunkedKTOLoss(ChunkedLinearLoss):
         token_chunk_size: (our own keyword) non-ignored tokens projected per chunk; ``None`` = auto (a memory
             budget per device type, see ``ChunkedDPOLoss``).
         one_pass: (our own keyword) ``None``: by the held budget (auto chunks widened to a long row where its
-            sum would not fit); ``True`` / ``False`` force one / two passes
+            sum would not fit, or on an accelerator narrowed until it does); ``True`` / ``False`` force one / two passes
             (see ``ChunkedDPOLoss``).
         sweep: (our own keyword) ``"eager"`` or ``"triton"`` (see ``ChunkedDPOLoss``).
     """
