@@ -388,6 +388,27 @@ def check_sim_peak(table, raw, out):
                 out.cell(table, line, key, name, cell, raw, value)
 
 
+def check_sim_capacity(table, raw, out):
+    """The capacity rows: ``sim_gpu_peak.py --capacity``'s composition of the run's rows, recomputed."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sim_gpu_peak as sim  # no torch at import: the composition is plain arithmetic
+
+    rows = json.loads(raw.read_text())["rows"]
+    for line, cells in table.rows:
+        trainer, arm = plain(cells[0]).lower(), plain(cells[1])
+        lines = sim.step_peak(rows, trainer).get(arm)
+        assert lines, f"benchmarks/README.md:{line}: no simulated lines for {trainer} {arm} in {raw.relative_to(ROOT)}"
+        limit = sim.capacity(lines, 80e9)
+        a, b = lines["loss"]
+        values = {"step peak at L=4,096, GiB": f"{(sim.STEP_BASE + sim.at(lines, 4096)) / sim.GIB:.2f}",
+                  "longest L within 80 GB": f"{limit:,}",
+                  "head-loss phase there, GiB": f"{(sim.STEP_BASE + a + b * limit) / sim.GIB:.1f}",
+                  "lengths fitted": ", ".join(f"{n:,}" for n in lines["lengths"])}  # fmt: skip
+        for name, cell in zip(table.header, cells):
+            if name in values and plain(cell) != values[name]:
+                out.cell(table, line, (trainer, arm), name, cell, raw, values[name])
+
+
 # ----------------------------------------------------------------------------------------------------- tests
 
 # (first header cells, the file a folder link means, checker); the step tables are checked row by row
@@ -400,6 +421,7 @@ CHECKERS = (
     (("median save (model + optimizer state)",), None, check_verify_save),
     (("run", "median save", "median weights check"), None, check_verify_digest),
     (SIM_KEYS, "sim_gpu_peak.json", check_sim_peak),
+    (("trainer", "arm", "step peak at L=4,096, GiB"), "sim_gpu_peak.json", check_sim_capacity),
 )
 
 
@@ -507,6 +529,16 @@ def test_readme_step_table_is_what_the_raw_files_say():
     assert 0 <= start < stop, f"README.md lost the markers {_table_step.BEGIN!r}"
     assert text[start : stop + len(_table_step.END)] == _table_step.table(), (
         "README.md's step table is stale: paste `python3 benchmarks/plot_step.py --table` between its markers"
+    )
+
+
+def test_readme_simulated_gpu_step_is_what_the_simulation_says():
+    """The README's simulated GPU row (issue 45 item 6) is ``_table_step.sim_table()`` from sim_gpu_peak.py's rows."""
+    text = TOP_README.read_text()
+    start, stop = text.find(_table_step.SIM_BEGIN), text.find(_table_step.SIM_END)
+    assert 0 <= start < stop, f"README.md lost the markers {_table_step.SIM_BEGIN!r}"
+    assert text[start : stop + len(_table_step.SIM_END)] == _table_step.sim_table(), (
+        "README.md's simulated GPU step differs from the simulation: python3 benchmarks/plot_step.py --table"
     )
 
 
