@@ -40,6 +40,7 @@ class Spec:
     L: int
     prompt: float = 0.5
     note: str = ""  # what a row predates (printed in its "measured" cell)
+    off_raw: str = ""  # where Liger-off ran in a run of its own beside the package (its ratio is that run's)
 
 
 # The README's rows: bench_step's current configurations at 50 % prompt that have a raw file (benchmarks/README.md,
@@ -106,12 +107,22 @@ def machine(header: str) -> tuple[str, str]:
     return f"{cpu} {isa if gemm.startswith('emulated') else gemm}", date
 
 
-def _cpu_row(spec: Spec, data: dict) -> Row:
+OFF = ("time/off", "mem/off")
+
+
+def _find(data: dict, spec: Spec) -> dict:
     found = [r for r in data["table"] if (r["trainer"], r["dtype"], r["prompt"], r["L"]) ==
              (spec.trainer, spec.dtype, spec.prompt, spec.L)]  # fmt: skip
     assert len(found) == 1, f"{spec.raw}: {len(found)} rows match {spec}"
-    (row,) = found
+    return found[0]
+
+
+def _cpu_row(spec: Spec, data: dict, results: Path = RESULTS) -> Row:
+    row = _find(data, spec)
     arms, ratios = row["arms"], row["ratios"]
+    if spec.off_raw:  # Liger-off and the package interleaved in a run of their own: that run's off ratios
+        other = _find(json.loads((results / spec.off_raw).read_text()), spec)
+        arms, ratios = {**arms, "off": other["arms"]["off"]}, {**ratios, **{k: other["ratios"][k] for k in OFF}}
     off = arms.get("off") or {}
     name, date = machine(data["header"])
     newer = tuple((UPGRADES[a].label, arms[a]["s"], arms[a]["peak_gib"], ratios[f"time/{a}"], ratios[f"mem/{a}"])
@@ -141,7 +152,7 @@ def rows(specs=SPECS, results: Path = RESULTS) -> list[Row]:
     out = []
     for spec in specs:
         data = json.loads((results / spec.raw).read_text())
-        out.append(_gpu_row(spec, data) if "c" in data and "info" in data else _cpu_row(spec, data))
+        out.append(_gpu_row(spec, data) if "c" in data and "info" in data else _cpu_row(spec, data, results))
     return out
 
 

@@ -105,6 +105,7 @@ ARMS = {
     "patched s (tok/s, GiB/rank)": "patched",
     "Liger-off": "off",
     "TRL 1.14": "trl114",
+    "TRL 1.16": "trl116",
     "unpatched (broken)": "unpatched",
     "before autocast": "patched_noautocast",
     "KL logits (before)": "patched_fullkl",
@@ -115,6 +116,8 @@ RATIOS = {
     "patched/TRL 1.14 time": "time/trl114",
     "patched/off mem": "mem/off",
     "patched/TRL 1.14 mem": "mem/trl114",
+    "patched/TRL 1.16 time": "time/trl116",
+    "patched/TRL 1.16 mem": "mem/trl116",
     "patched/before": "time/patched_noautocast",
     "patched/before KL": "time/patched_fullkl",
     "patched/before KL mem": "mem/patched_fullkl",
@@ -123,6 +126,9 @@ RATIOS = {
     "patched/one_pass=1 mem": "mem/patched_onepass",
 }
 STEP_KEYS = ("dtype", "trainer", "prompt", "L", "measured", "raw")
+# a raw cell's second link, "[Liger-off](results/...)": Liger-off and the package ran in a run of their own there
+OFF_LINK = re.compile(r"\[Liger-off\]\((results/[^)\s]+)\)")
+OFF_COLUMNS = ("Liger-off", "patched/off time", "patched/off mem")
 ARM_CELL = re.compile(r"\**([\d.,]+)\** \(([\d.,]+), ([\d.,]+)\)")
 
 
@@ -165,10 +171,16 @@ def check_step(table: Table, out: Mismatch) -> None:
             f"benchmarks/README.md:{line}: {len(found)} rows of {raw.relative_to(ROOT)} match {key} "
             "(link the one JSON file in the raw cell if several hold it)"
         )
-        (json_row,) = found
-        raw = json_row["_file"]
+        (main_row,) = found
+        off_row = main_row
+        for off_link in OFF_LINK.findall(raw_cell):
+            same_row = ("trainer", "dtype", "prompt", "L")
+            (off_row,) = [r for r in step_rows(source(table, off_link))
+                          if all(r[k] == main_row[k] for k in same_row)]  # fmt: skip
         for name, i in col.items():
             cell = cells[i]
+            json_row = off_row if name in OFF_COLUMNS else main_row
+            raw = json_row["_file"]
             if name == "tokens/step":
                 if not same(cell, json_row["tokens"]):
                     out.cell(table, line, key, name, cell, raw, json_row["tokens"])
