@@ -733,7 +733,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ddp-trl", default=",".join(GPU_DDP_TRL),
                     help="(b): the TRL releases, 1.12.0 first (default 1.12.0 alone: tests/test_matrix.py runs 1.8.0's "
                     "crash; 1.12.0,1.8.0 both)")  # fmt: skip
-    ap.add_argument("--jobs", type=int, default=None, help="DDP launches at once (default: 4 on GPU, 1 on CPU)")
+    ap.add_argument("--jobs", type=int, default=None, help="DDP launches at once (default: all on GPU, 1 on CPU)")
     ap.add_argument("--print-wheels", action="store_true", help="the wheels gpu_wheels.sh downloads, one per line")
     ap.add_argument("--part-a", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--arms-a", default=",".join(ARMS_A), help=argparse.SUPPRESS)  # one --part-a process's arms
