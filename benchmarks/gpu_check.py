@@ -1,40 +1,66 @@
 #!/usr/bin/env python
-"""The one prepared GPU check (issues #9, #22): the loss head in bf16 at a real size, real GPU DDP and a whole DDP
-step, in <= 9 minutes (one call of <= 10).
+"""The one prepared GPU check (issues #9, #22, #45): the loss head in bf16 at a real size, a whole DDP step per arm
+with its measured peak beside the simulated one, and real GPU DDP, in one call of <= 10 minutes.
 
     bash benchmarks/gpu_wheels.sh                    # here, with network: wheels the GPU machine lacks -> .whl/
-    python3 benchmarks/gpu_check.py --out $OUT       # there: one H200, no network (carry .whl)
+    python3 benchmarks/gpu_check.py --out $OUT       # there: one H200 or H100, no network (carry .whl); ~9.5 min
     python3 benchmarks/gpu_check.py --cpu-smoke      # anywhere: the same code paths at tiny sizes on CPU (a test)
 
 (a) DPO head loss, bf16, V=151,936, H=3,584, B=16, L=512 (8 pairs: each pair fits one token chunk), 50 % and 0 %
-    prompt: ours (one pass), ours with a token chunk of L / 2 (``ours_long``: every pair longer than a chunk, still
-    one pass) vs ours with the one-pass path off (``ours_2p``) vs Liger
-    fused (compiled=True) vs the upgrades' head paths (``_upgrades.UPGRADES``: TRL 1.14's chunked log-prob path,
-    TRL 1.16's fused LM head, on a GPU its Triton kernels) vs materialised logits; per arm the median step time
-    (CUDA events), ``torch.cuda.max_memory_allocated`` over the step minus what was allocated before it, the
+    prompt: ours (one pass, eager sweep), ours with a token chunk of L / 2 (``ours_long``: every pair longer than a
+    chunk, still one pass) vs ours with the one-pass path off (``ours_2p``) vs ours with ``sweep="triton"``
+    (``ours_tri``) vs Liger fused (compiled=True) vs the upgrades' head paths (``_upgrades.UPGRADES``: TRL 1.14's
+    chunked log-prob path, TRL 1.16's fused LM head, on a GPU its Triton kernels) vs materialised logits vs the GEMM
+    floor (``gemm``: the head's three bf16 GEMMs alone, logits, grad-hidden, grad-weight); per arm the median step
+    time (CUDA events), ``torch.cuda.max_memory_allocated`` over the step minus what was allocated before it, the
     relative error of loss, grad-hidden and grad-weight against an fp32 materialised reference on the same values,
     and the path the loss took (its ``grad_fn``).  Two TRL releases cannot share a process: one process per release,
-    the arms that need no TRL in the first; on a GPU one after the other, in the CPU smoke at once.
+    the arms that need no TRL in the first; on a GPU one after the other, in the CPU smoke at once.  No simulated
+    peak beside these: ``sim_gpu_peak.py`` simulates (c)'s shapes (one pair of 4,096 tokens), not (a)'s.
+(c) One whole DDP training step (benchmarks/bench_step.py's launches, issue #22): bf16, V=151,936, H=3,584 over 2
+    Qwen2.5-7B-sized layers, L=4,096, 50 % prompt, one DPO pair / two KTO rows per rank, both ranks on cuda:0 as in
+    (b); patched (the package's default) vs ``patched_onepass`` (``LIGER_DDP_PATCH_LOSS=one_pass=1``) vs Liger-off
+    vs each upgrade (TRL 1.14, TRL 1.16 as a user who upgrades runs it) vs the package with a bf16 ``ref_model``
+    (``patched+bf16ref``) per trainer: median step time, tokens/s, peak memory allocated per rank, the simulated
+    peak beside it (``sim_peaks``: the launch's own measured base plus the step ``sim_gpu_peak.step_peak`` composes
+    from results/sim-2026-12-07-gpu-peak, "-" where it has no line) and the ratios patched / arm.  Each arm for
+    every trainer before the next arm; no launch starts once ``--budget`` is spent (nor one the time left could not
+    finish: the longest launch so far).
 (b) DDP with device_ids on the GPU: two one-process "nodes" on loopback (``torchrun --nnodes=2
     --nproc_per_node=1``), both on cuda:0 with ``ddp_backend="gloo"`` (NCCL refuses two ranks on one GPU), the
     repo's test probe (tests/harness/probe.py ``--device cuda``) running one DPO and one KTO step with Liger on
-    the tiny Qwen3 with the real vocabulary; TRL 1.12.0 and 1.8.0 (before 1.9 the unpatched trainer crashes in
-    DDP), unpatched vs patched: parameters whose gradients differ across the ranks.
-(c) One whole DDP training step (benchmarks/bench_step.py's launches, issue #22): bf16, V=151,936, H=3,584 over 2
-    Qwen2.5-7B-sized layers, L=4,096, 50 % prompt, one DPO pair / two KTO rows per rank, both ranks on cuda:0 as in
-    (b); patched (the package's default) vs ``patched_onepass`` (``LIGER_DDP_PATCH_LOSS=one_pass=1``: one pass for
-    every pair, the default before issue 39) vs Liger-off vs each upgrade (TRL 1.14, TRL 1.16 as a user who
-    upgrades runs it: bench_step.py's ``trl116``) per trainer: median step time, tokens/s, peak
-    memory allocated per rank and the ratios patched / arm (the README's whole-step table reads them).  Runs last,
-    each arm for every trainer before the next arm, and starts no launch once ``--budget`` is spent (nor one the
-    time left could not finish: the longest launch so far).
+    the tiny Qwen3 with the real vocabulary; TRL 1.12.0 (``--ddp-trl 1.12.0,1.8.0`` adds 1.8.0: before 1.9 the
+    unpatched trainer crashes in DDP), unpatched vs patched: parameters whose gradients differ across the ranks.
+    Runs last, and only where the budget leaves it ``B_NEEDS`` seconds (else its row says "not run"; ``--parts b``
+    runs it alone).
+
+The default call's time, estimated from the H200 run of 2026-12-04 (results/h200-2026-12-04: 359 s for (b) on two
+releases, (a) with six arms and six step launches; estimates, not measurements of this version):
+
+    interpreter, torch, CUDA      ~5 s
+    wheels (7, pip --no-deps)     ~8 s     (inside that run's part (b): not timed apart)
+    (a)                          ~65 s     46.4 s for six arms; + ours_tri and gemm (~5 s: Triton JIT, the timed
+                                           calls), + TRL 1.16's process (~20 s: interpreter, imports, inputs, the
+                                           fp32 reference, its Triton JIT); 3 timed calls per arm, not 5 (-3 s)
+    (c) drawing the model         ~3 s
+    (c) 12 launches             ~480-505 s  measured per launch (DPO / KTO): patched 44.1 / 45.1, Liger-off 39.0 /
+                                           39.4, TRL 1.14 37.1 / 36.8; not measured: patched_onepass and
+                                           patched+bf16ref as patched, TRL 1.16 as TRL 1.14 + 5 s (Triton JIT); the
+                                           low end takes ~4 s off each patched launch (the float32 reference's GEMMs
+                                           that 2026-12-04's patched steps ran are under autocast now)
+    in all                      ~560-585 s of the 580 s budget (from the script's start) and the call's 600 s
+
+so (b) (~45-60 s: 68.7 s for two releases' four launches at once, with the wheels) does not fit after them: it runs
+only when (c) ends early, and ``--parts b`` gives it in a second call (~1.5 minutes).  Where (c) runs long, the
+budget drops the last launch (KTO's ``patched+bf16ref``), said so in its row.  Each part's seconds are recorded in
+``gpu_check.json`` (``info.seconds_*``) and each launch's ``wall_s``, so that the next budget is measured.
 
 Prints one table and writes ``gpu_check.json`` to ``--out`` (after deleting what an earlier run left there), then
 checks every row (``check_rows``: the same checks as tests/test_gpu_check.py) and exits 1 when one fails.
 Packages the GPU machine lacks (``WHEELS``) are installed from ``.whl/`` with ``pip install --no-index --no-deps
---target``: every TRL release into its own folder, the rest (only those not importable already) into a common one.
-``--cpu-smoke`` takes TRL from ``.cache/trl/<version>`` (``.ci/trl_matrix.sh --prepare-only``) when ``.whl/`` is
-absent.
+--target``: every TRL release the call runs into its own folder, the rest (only those not importable already) into a
+common one.  ``--cpu-smoke`` takes TRL from ``.cache/trl/<version>`` (``.ci/trl_matrix.sh --prepare-only``) when
+``.whl/`` is absent.
 """
 
 from __future__ import annotations
@@ -50,6 +76,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+START = time.monotonic()  # --budget counts from here: the call's 10 minutes include torch's import
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # the GPU machine has the checkout, not an installed liger_ddp_patch
@@ -71,6 +98,10 @@ WHEELS = [
     ("multiprocess", "0.70.19", "multiprocess"),
 ]
 DDP_TRL = ("1.12.0", "1.8.0")
+# (b)'s default: TRL 1.12.0, the bug and the fix; 1.8.0's crash in DDP is test_matrix's on CPU (and 2026-12-04's GPU)
+GPU_DDP_TRL = ("1.12.0",)
+B_NEEDS = 60.0  # seconds (b) is started with at the most (2026-12-04: ~60 s for four launches at once, less the wheels)
+GPU_BUDGET = 580.0  # seconds from the script's start: the call's 600 s less the report and ~15 s of slack
 # (c) the whole DDP step (benchmarks/bench_step.py): Qwen2.5-7B's head (V, H) over 2 of its layers, bf16
 # the package's default beside one_pass=1 (issue 39 item 4: the README table's GPU row in one call), Liger-off, the
 # upgrades (TRL 1.14, TRL 1.16)
@@ -84,6 +115,11 @@ EXTRA_STEP_ARMS = ("patched_triton", "patched_noautocast", "patched_fullkl")
 LOSS_SETTING = {"patched_onepass": "one_pass=1"}
 NOT_RUN = "not run: the time budget was spent"
 BF16_REF = "+bf16ref"
+# the default call's arms (issue 45 item 5): the table's, then the package with a bf16 reference model (the setup it
+# recommends, and TRL 1.16's own reference dtype), last: the launch a long run drops
+DEFAULT_STEP_ARMS = (*STEP_ARMS, "patched" + BF16_REF)
+# the simulated head and body rows (sim_gpu_peak.py) that sim_peaks composes into a step's peak per arm
+SIM_PEAKS = HERE / "results" / "sim-2026-12-07-gpu-peak" / "sim_gpu_peak.json"
 STEP_TRAINERS = ("dpo", "kto")
 SMOKE_STEP_TRAINERS = ("kto",)  # the CPU smoke: KTO's three launches (tests/test_bench_step.py launches DPO)
 STEP_PROMPT = 0.5
@@ -143,13 +179,20 @@ def install(wheel_dir: Path, site: Path, wheels=WHEELS) -> dict:
     return paths
 
 
-def package_paths(smoke: bool, site: Path) -> dict:
+def needed_wheels(ddp_trl=DDP_TRL) -> list[tuple[str, str, str]]:
+    """``WHEELS`` less the TRL releases the call does not run (1.8.0 unless (b) runs it): a pip process each."""
+    trl = {"1.12.0", *ddp_trl, *(upgrade.release for upgrade in UPGRADES.values())}
+    return [w for w in WHEELS if w[0] != "trl" or w[1] in trl]
+
+
+def package_paths(smoke: bool, site: Path, ddp_trl=DDP_TRL) -> dict:
+    wheels = needed_wheels(ddp_trl)
     if WHEEL_DIR.is_dir() and any(WHEEL_DIR.glob("*.whl")):
-        return install(WHEEL_DIR, site)
+        return install(WHEEL_DIR, site, wheels)
     if not smoke:
         raise SystemExit(f"no wheels in {WHEEL_DIR}: run `bash benchmarks/gpu_wheels.sh` on a machine with network")
     paths = {"common": "", "installed": []}  # CI machine: datasets & liger-kernel installed, TRL unpacked
-    for version in {v for d, v, _ in WHEELS if d == "trl"}:
+    for version in {v for d, v, _ in wheels if d == "trl"}:
         folder = TRL_CACHE / version
         if not (folder / "trl" / "__init__.py").exists():
             raise SystemExit(f"{folder} missing: bash .ci/trl_matrix.sh --prepare-only")
@@ -418,7 +461,43 @@ def run_part_c(args, paths, out: Path, deadline: float) -> list[dict]:
         mine = next((m for m in rows if m["trainer"] == r["trainer"] and m["arm"] == "patched" + suffix), None)
         if mine is not None and "error" not in r and "error" not in mine:
             r["patched_time"], r["patched_mem"] = mine["s"] / r["s"], mine["peak_gib"] / r["peak_gib"]
-    return rows
+    return sim_peaks(rows)
+
+
+# the simulated step arm (sim_gpu_peak.CAPACITY_ARMS) of each step arm: the default as the accelerator's plan at 80 GB
+# free with the new held rule (an H200's 141 GB takes the same plan), one_pass=1, Liger-off, each upgrade
+SIM_ARM = {"patched": "default", "patched_onepass": "one_pass=1", "off": "Liger-off",
+           **{arm: upgrade.label for arm, upgrade in UPGRADES.items()}}  # fmt: skip
+
+
+def sim_peaks(rows_c: list[dict], sim_json: Path = SIM_PEAKS) -> list[dict]:
+    """Beside each launch's measured peak, the simulated one (issue 45: the simulation checked by the GPU).
+
+    ``sim_gpu_peak.step_peak`` composes a step from CPU-simulated phases as bytes over the step's base; the base
+    here is the launch's own measured ``base_gib`` (2026-12-04's was the simulation's ``STEP_BASE``; TRL 1.16 and a
+    bf16 ``ref_model`` hold a bf16 reference, a smaller base).  ``sim_peak_gib`` stays None ("-") where the shapes
+    are not the simulated ones, the arm has no simulated counterpart, or ``L`` is outside its simulated lengths
+    (KTO: one length simulated, no line).  Reads JSON only: no torch."""
+    import sim_gpu_peak
+
+    sim_rows = None
+    for r in rows_c:
+        r.setdefault("sim_peak_gib", None)
+        name = SIM_ARM.get(str(r.get("arm")).removesuffix(BF16_REF))
+        if "error" in r or name is None or (r.get("V"), r.get("H")) != (sim_gpu_peak.V, sim_gpu_peak.H):
+            continue
+        if sim_rows is None:
+            sim_rows = json.loads(sim_json.read_text())["rows"] if sim_json.exists() else []
+        lines = sim_gpu_peak.step_peak(sim_rows, r["trainer"]).get(name)
+        if not lines or not min(lines["lengths"]) <= r["L"] <= max(lines["lengths"]):
+            continue
+        over = sim_gpu_peak.at(lines, r["L"]) / sim_gpu_peak.GIB
+        r.update(
+            sim_over_base_gib=over,
+            sim_peak_gib=r["base_gib"] + over,
+            peak_vs_sim=r["peak_gib"] / (r["base_gib"] + over),
+        )
+    return rows_c
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -466,6 +545,8 @@ def check_rows(
                 bad.append(f"{tag}: no step time or peak ({r.get('s')}, {r.get('peak_gib')})")
             if not r.get("times") or any(len(t) != reps_c + 1 for t in r["times"]):
                 bad.append(f"{tag}: not {reps_c} measured steps after one warm-up")
+            if "sim_peak_gib" not in r:  # None where nothing is simulated, but asked for (sim_peaks)
+                bad.append(f"{tag}: no simulated peak beside the measured one")
             if str(r.get("arm")).startswith("patched") and not any(
                 str(x).startswith("Chunked") for x in r.get("losses", [])
             ):
@@ -560,22 +641,28 @@ def render_c(info: dict, rows_c: list[dict]) -> list[str]:
         f"L={c.get('L', 0):,}, {c.get('prompt', 0):.0%} prompt, 2 ranks ({info['ddp_device']}, gloo), per rank a DPO "
         f"pair / 2 KTO rows; reference model {c.get('reference', '?')} (arms{BF16_REF}: bf16); peak = "
         f"{'max allocated' if info['device'] == 'cuda' else 'VmHWM'} per rank",
-        f"{'trainer':7} {'arm':15} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9} {'patched/arm time':>17} "
-        f"{'patched/arm mem':>16}  loss, held (V,H) GiB (path)",
+        f"{'trainer':7} {'arm':15} {'s/step':>8} {'tok/s':>9} {'peak GiB':>9} {'sim GiB':>8} {'peak/sim':>8} "
+        f"{'patched/arm time':>17} {'patched/arm mem':>16}  loss, held (V,H) GiB (path)",
     ]
     for r in rows_c:
         head = f"{r.get('trainer', '-'):7} {r.get('arm', '-'):15}"
         if "error" in r:
             lines.append(f"{head} {'not run' if r['error'].startswith('not run') else 'failed'}: {r['error'][:90]}")
             continue
-        nan = float("nan")
+        nan, sim = float("nan"), r.get("sim_peak_gib")
+        sim_cells = f"{sim:>8.2f} {r['peak_vs_sim']:>8.2f}" if sim else f"{'-':>8} {'-':>8}"
         lines.append(
-            f"{head} {r['s']:>8.3f} {r['tok_s']:>9.0f} {r['peak_gib']:>9.2f} {r.get('patched_time', nan):>17.2f}"
-            f" {r.get('patched_mem', nan):>16.2f}  {' '.join(r.get('losses', [])) or '-'}"
+            f"{head} {r['s']:>8.3f} {r['tok_s']:>9.0f} {r['peak_gib']:>9.2f} {sim_cells}"
+            f" {r.get('patched_time', nan):>17.2f} {r.get('patched_mem', nan):>16.2f}"
+            f"  {' '.join(r.get('losses', [])) or '-'}"
             f"{', held ' + bench_step.held_cell(r['held']) if r.get('held') else ''}"
         )
         if "memory" in r:
             lines += _memory.render(r["memory"])
+    lines.append(
+        f"sim GiB: the launch's measured base + the step sim_gpu_peak composes ({SIM_PEAKS.parent.name}); "
+        "peak/sim: measured / simulated"
+    )
     return [*lines, "targets (reported, not checked):", *(f"  {t}" for t in targets(rows_c))]
 
 
@@ -605,6 +692,7 @@ def render(info: dict, rows_a: list[dict], rows_b: list[dict], rows_c: list[dict
         f"(b) DDP, two one-process nodes on loopback, {info['ddp_device']}, gloo, tiny Qwen3 "
         f"(vocab {info['ddp_vocab']:,}), one DPO and one KTO step with Liger",
         f"{'TRL':8} {'trainer':7} {'run':10} {'params':>6} {'differing':>9} {'max|dgrad|':>11}  loss module",
+        *([info["b_not_run"]] if info.get("b_not_run") else []),
     ]
     for r in rows_b:
         head = f"{r['trl']:8} {r['trainer']:7} {r['run']:10}"
@@ -624,11 +712,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: the same code paths, for the tests")
     ap.add_argument("--out", default=None, help="folder for gpu_check.json and logs (default: a temporary folder)")
-    ap.add_argument("--parts", default="a,b,c")
-    ap.add_argument("--budget", type=float, default=None, help="seconds in all; (c) starts no launch after (GPU 520)")
+    ap.add_argument("--parts", default="a,b,c", help="(a), then (c), then (b) where the budget leaves it time")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"seconds from the start; no launch after (GPU {GPU_BUDGET:.0f}, CPU 3600)")  # fmt: skip
     ap.add_argument("--timeout-c", type=float, default=None, help="seconds per step launch (GPU 150, CPU 600)")
     ap.add_argument("--reps-c", type=int, default=2, help="(c): measured steps per launch, after one warm-up")
-    ap.add_argument("--step-arms", default=",".join(STEP_ARMS),
+    ap.add_argument("--step-arms", default=",".join(DEFAULT_STEP_ARMS),
                     help="(c): arms in launch order, patched first (+bf16ref: with a bf16 ref_model)")  # fmt: skip
     ap.add_argument("--step-length", type=int, default=None, help="(c): sequence length (GPU 4096, CPU smoke 32)")
     ap.add_argument(
@@ -638,13 +727,13 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--ref-same-dtype", action="store_true",
                     help="(c): pass a bf16 reference model (default: TRL builds it, in float32)")  # fmt: skip
-    ap.add_argument("--reps", type=int, default=None, help="timed steps per arm (default 5 on GPU, 2 on CPU)")
-    ap.add_argument("--timeout-a", type=float, default=None, help="seconds for part (a) (GPU 240, CPU 900)")
+    ap.add_argument("--reps", type=int, default=None, help="timed steps per arm (default 3 on GPU, 2 on CPU)")
+    ap.add_argument("--timeout-a", type=float, default=None, help="seconds per part (a) process (GPU 150, CPU 900)")
     ap.add_argument("--timeout-b", type=float, default=None, help="seconds per DDP launch (GPU 240, CPU 900)")
-    ap.add_argument("--ddp-trl", default=",".join(DDP_TRL),
-                    help="(b): the TRL releases, 1.12.0 first (the CPU smoke: 1.12.0 alone; tests/test_matrix.py runs "
-                    "1.8.0's crash)")  # fmt: skip
-    ap.add_argument("--jobs", type=int, default=None, help="DDP launches at once (default: 4 on GPU, 1 on CPU)")
+    ap.add_argument("--ddp-trl", default=",".join(GPU_DDP_TRL),
+                    help="(b): the TRL releases, 1.12.0 first (default 1.12.0 alone: tests/test_matrix.py runs 1.8.0's "
+                    "crash; 1.12.0,1.8.0 both)")  # fmt: skip
+    ap.add_argument("--jobs", type=int, default=None, help="DDP launches at once (default: all on GPU, 1 on CPU)")
     ap.add_argument("--print-wheels", action="store_true", help="the wheels gpu_wheels.sh downloads, one per line")
     ap.add_argument("--part-a", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--arms-a", default=",".join(ARMS_A), help=argparse.SUPPRESS)  # one --part-a process's arms
@@ -662,11 +751,11 @@ def main(argv=None) -> int:
         print("\n".join(f"{d}=={v}" for d, v, _ in WHEELS))
         return 0
     args.device = args.device or ("cpu" if args.cpu_smoke else "cuda")
-    args.reps = args.reps or (2 if args.cpu_smoke else 5)
-    args.timeout_a = args.timeout_a or (900 if args.cpu_smoke else 240)  # GPU: (b) + (a) inside 8 minutes
+    args.reps = args.reps or (2 if args.cpu_smoke else 3)  # GPU: 3 calls' spread was < 4 % on 2026-12-04
+    args.timeout_a = args.timeout_a or (900 if args.cpu_smoke else 150)  # GPU: ~45 s and ~20 s expected
     args.timeout_b = args.timeout_b or (900 if args.cpu_smoke else 240)
     args.timeout_c = args.timeout_c or (600 if args.cpu_smoke else 150)
-    args.budget = args.budget or (3600 if args.cpu_smoke else 520)  # the GPU check's 9 minutes, less the set-up
+    args.budget = args.budget or (3600 if args.cpu_smoke else GPU_BUDGET)
     size = SMOKE_SIZE if args.cpu_smoke else GPU_SIZE
     if args.part_a:
         part_a(args.device, size, args.reps, Path(args.part_a), tuple(args.arms_a.split(",")))
@@ -676,34 +765,53 @@ def main(argv=None) -> int:
 
     if not args.cpu_smoke and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: use --cpu-smoke")
-    started = time.monotonic()
+    started = START  # the budget includes torch's import: the call's limit does
+    deadline = started + args.budget
     out = Path(args.out or tempfile.mkdtemp(prefix="gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
     clear_outputs(out)
-    paths = package_paths(args.cpu_smoke, Path(tempfile.mkdtemp(prefix="gpu-check-site-")))
+    parts = args.parts.split(",")
+    ddp_trl = args.ddp_trl if "b" in parts else ()
+    paths = package_paths(args.cpu_smoke, Path(tempfile.mkdtemp(prefix="gpu-check-site-")), ddp_trl)
     info = dict(device=args.device, device_name=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                 torch=torch.__version__, size=size, smoke=args.cpu_smoke, installed=paths["installed"],
                 ddp_device="cuda:0 (both ranks)" if args.device == "cuda" else "cpu", ddp_vocab=64 if args.cpu_smoke
-                else 151_936, ddp_trl=args.ddp_trl)  # fmt: skip
-    parts = args.parts.split(",")
-    rows_b = run_part_b(args, paths, out) if "b" in parts else []
-    info["seconds_b"] = round(time.monotonic() - started, 1)
+                else 151_936, ddp_trl=args.ddp_trl, budget=args.budget)  # fmt: skip
+    clock = [time.monotonic()]
+
+    def lap(name):  # each part's seconds, for the next call's budget
+        info[f"seconds_{name}"] = round(time.monotonic() - clock[0], 1)
+        clock[0] = time.monotonic()
+
+    info["seconds_start"] = round(clock[0] - started, 1)  # the interpreter, torch, the wheels
     rows_a = run_part_a(args, paths, out) if "a" in parts else [{}]
-    info["seconds_a"] = round(time.monotonic() - started - info["seconds_b"], 1)
+    lap("a")
     step = dict(SMOKE_STEP if args.cpu_smoke else GPU_STEP, prompt=STEP_PROMPT)
     step["L"] = args.step_length or step["L"]
     step["reference"] = (
         "bf16, passed as ref_model" if args.ref_same_dtype else "TRL's own (fp32; from 1.16 bf16, the policy's)"
     )
     info["step"] = step
-    rows_c = run_part_c(args, paths, out, started + args.budget) if "c" in parts else []
+    rows_c = run_part_c(args, paths, out, deadline) if "c" in parts else []
+    lap("c")
+    rows_b = []
+    if "b" in parts:  # last: a correctness check, not a cell of the tables; started where the budget leaves it time
+        left = deadline - time.monotonic()
+        if left >= min(B_NEEDS, args.timeout_b):
+            args.timeout_b = min(args.timeout_b, left)
+            rows_b = run_part_b(args, paths, out)
+        else:
+            info["b_not_run"] = f"{NOT_RUN} ({left:.0f} s left, {B_NEEDS:.0f} needed; --parts b runs it alone)"
+            parts = [p for p in parts if p != "b"]
+    lap("b")
     info["seconds"] = round(time.monotonic() - started, 1)
     report = render(info, rows_a, rows_b, rows_c)
     slim_c = [{k: v for k, v in r.items() if k != "run"} for r in rows_c]
     (out / "gpu_check.json").write_text(json.dumps(dict(info=info, a=rows_a, b=rows_b, c=slim_c), indent=1))
     print(report)
-    print(f"\n{info['seconds']:.0f} s in all (part b {info['seconds_b']:.0f} s, a {info['seconds_a']:.0f} s); "
-          f"JSON and logs in {out}")  # fmt: skip
+    print(f"\n{info['seconds']:.0f} s in all from the script's start (start and wheels {info['seconds_start']:.0f} s, "
+          f"part a {info['seconds_a']:.0f} s, c {info['seconds_c']:.0f} s, b {info['seconds_b']:.0f} s); JSON and logs "
+          f"in {out}")  # fmt: skip
     trainers = SMOKE_STEP_TRAINERS if args.cpu_smoke else STEP_TRAINERS
     bad = check_rows(rows_a, rows_b, args.reps, parts, rows_c, args.reps_c, trainers, args.step_arms, args.ddp_trl)
     print("\n".join(["", f"FAILED ({len(bad)}):", *bad]) if bad else "\nall rows pass")

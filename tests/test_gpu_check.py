@@ -54,6 +54,7 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     assert "(c) one whole DDP training step" in proc.stdout and "kto     patched" in proc.stdout, proc.stdout
     assert "x the GEMM floor" in proc.stdout and "(a floor)" in proc.stdout, proc.stdout  # (a): ours vs the floor
     assert "kto patched+bf16ref/trl116+bf16ref: time" in proc.stdout, proc.stdout
+    assert "sim GiB" in proc.stdout and "peak/sim" in proc.stdout, proc.stdout  # (c): the simulated peak's column
     assert "all rows pass" in proc.stdout, proc.stdout[-3000:]
     # --memory: one more step per launch, not timed (the rows above still count 1 + 2 steps); on CPU the profiler's
     # allocation events are replayed (_memory.cpu_replay), so every arm's step reports its peak by site
@@ -69,6 +70,10 @@ def test_cpu_smoke_runs_both_parts(tmp_path):
     assert {r["arm"] for r in report["a"]} >= set(gpu_check.UPGRADES), report["a"]
     assert sorted(p.name for p in tmp_path.glob("part_a-*.json")) == ["part_a-1.14.0.json", "part_a-1.16.0.json"]
     assert {r["arm"]: r["trl"] for r in report["c"]}["trl116+bf16ref"] == "1.16.0", report["c"]
+    # issue 45 item 5: every step row carries its simulated peak (none at the smoke's V=512: nothing simulated there)
+    assert all(r["sim_peak_gib"] is None for r in report["c"]), report["c"]
+    # (b) runs after (c) now, where the budget leaves it time: here it did, and each part's seconds are recorded
+    assert {"seconds_start", "seconds_a", "seconds_c", "seconds_b"} <= report["info"].keys(), report["info"]
 
 
 def check_rows_strict(report):
@@ -99,7 +104,7 @@ def _passing_report():
     rows_c = [
         dict(trainer=t, arm=a, s=1.0, tok_s=100.0, peak_gib=2.0, steps=[1.0], times=[[3, 1, 1], [3, 1, 1]],
              losses=["ChunkedDPOLoss"] if a.startswith("patched") else [],
-             loss_setting=gpu_check.LOSS_SETTING.get(a), trl=gpu_check.release_of(a) or "1.12.0")
+             loss_setting=gpu_check.LOSS_SETTING.get(a), trl=gpu_check.release_of(a) or "1.12.0", sim_peak_gib=None)
         for t in gpu_check.STEP_TRAINERS for a in gpu_check.STEP_ARMS
     ]  # fmt: skip
     return dict(a=rows_a, b=rows_b, c=rows_c)
@@ -124,6 +129,7 @@ def _passing_report():
         "step: one_pass=1 not set",
         "step: trl116 ran another TRL",
         "step: patched skipped by the budget",
+        "step: no simulated peak beside the measured",
     ],
 )
 def test_check_rows_fails_each_broken_row(breakage):
@@ -161,6 +167,8 @@ def test_check_rows_fails_each_broken_row(breakage):
         elif breakage == "step: patched skipped by the budget":
             patched.clear()
             patched.update(trainer="dpo", arm="patched", error=gpu_check.NOT_RUN)
+        elif breakage == "step: no simulated peak beside the measured":  # e.g. run_part_c no longer calls sim_peaks
+            del next(r for r in c if r["arm"] == "trl116")["sim_peak_gib"]
         else:
             next(r for r in c if r["arm"] == "off")["error"] = ""
     elif breakage == "1.8.0 did not crash":  # checked where (b) ran 1.8.0 (the GPU call; not the CPU smoke)
@@ -178,6 +186,59 @@ def test_check_rows_accepts_an_arm_that_ran_out_of_memory():
     off.update(trainer="dpo", arm="off", error="OutOfMemoryError: CUDA out of memory. Tried to allocate 9.3 GiB")
     assert check_rows_strict(report) == []
     assert any("dpo patched/off: no ratio (OutOfMemoryError" in line for line in gpu_check.targets(report["c"]))
+
+
+H200_RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-12-04" / "gpu_check.json"
+
+
+def test_step_rows_get_the_simulated_peak_beside_the_measured_one():
+    """Issue 45 item 5: the GPU checks the simulation. On 2026-12-04's H200 step rows (their base is the simulation's
+    STEP_BASE) sim_peaks gives sim_gpu_peak --capacity's step at L=4,096 (11.88 GiB for the default and TRL 1.14,
+    17.20 for Liger-off: results/sim-2026-12-07-gpu-peak/capacity_80gb.txt) and the measured / simulated ratio;
+    a bf16 reference model keeps its arm's simulated step over its own base; KTO (one simulated length: no line), a
+    failed launch and the CPU smoke's shapes get none ("-")."""
+    import sim_gpu_peak
+
+    assert {a.removesuffix(gpu_check.BF16_REF) for a in gpu_check.DEFAULT_STEP_ARMS} <= gpu_check.SIM_ARM.keys()
+    assert set(gpu_check.SIM_ARM.values()) <= sim_gpu_peak.CAPACITY_ARMS.keys()
+    rows = [dict(r) for r in json.loads(H200_RESULTS.read_text())["c"]]
+    bf16 = dict(next(r for r in rows if (r["trainer"], r["arm"]) == ("dpo", "patched")), arm="patched+bf16ref")
+    bf16["base_gib"] -= 2.0  # a bf16 reference: half the float32 one's 4 GiB
+    rows += [bf16, dict(trainer="dpo", arm="trl116", L=4096, V=151_936, H=3_584, error="OutOfMemoryError")]
+    rows += [dict(rows[0], V=512, H=32)]
+    found = {(r["trainer"], r["arm"], r["V"]): r for r in gpu_check.sim_peaks(rows)}
+    patched, off, trl114 = (found[("dpo", arm, 151_936)] for arm in ("patched", "off", "trl114"))
+    assert round(patched["sim_peak_gib"], 2) == round(trl114["sim_peak_gib"], 2) == 11.88, patched
+    assert round(off["sim_peak_gib"], 2) == 17.20 and round(patched["peak_vs_sim"], 2) == 1.41, (off, patched)
+    assert found[("dpo", "patched+bf16ref", 151_936)]["sim_peak_gib"] == patched["sim_peak_gib"] - 2.0
+    assert all(r["sim_peak_gib"] is None for (t, a, v), r in found.items() if t == "kto" or a == "trl116" or v == 512)
+    table = "\n".join(gpu_check.render_c(dict(device="cuda", ddp_device="cuda:0", step={}), rows))
+    assert "   11.88     1.41" in table and "   17.20     1.28" in table, table  # sim GiB, peak/sim
+    kto = next(line for line in table.splitlines() if line.startswith("kto     patched "))
+    assert kto.split()[5:7] == ["-", "-"], kto
+
+
+def test_the_default_call_runs_every_arm_the_issue_lists():
+    """Issue 45 item 5: the default GPU call's step arms are the table's (default, one_pass=1, Liger-off, TRL 1.14,
+    TRL 1.16) then a bf16 reference model, its (a) the package eager and with the Triton sweep, TRL 1.16's head,
+    Liger and the GEMM floor; (b) on TRL 1.12.0 alone, so that TRL 1.8.0's wheel is not even installed."""
+    assert gpu_check.DEFAULT_STEP_ARMS == ("patched", "patched_onepass", "off", "trl114", "trl116", "patched+bf16ref")
+    assert {"ours", "ours_tri", "trl116", "liger_c", "gemm"} <= set(gpu_check.ARMS_A)
+    assert gpu_check.GPU_DDP_TRL == ("1.12.0",)
+    assert ("trl", "1.8.0", "trl") not in gpu_check.needed_wheels(gpu_check.GPU_DDP_TRL)
+    assert ("trl", "1.8.0", "trl") in gpu_check.needed_wheels(gpu_check.DDP_TRL)
+    assert {w for w in gpu_check.needed_wheels(()) if w[0] == "trl"} == {("trl", "1.12.0", "trl")} | {
+        ("trl", u.release, "trl") for u in gpu_check.UPGRADES.values()
+    }
+
+
+def test_part_b_runs_last_and_only_where_the_budget_leaves_it_time(tmp_path, capsys):
+    """(b) is started after (c) and only with ``B_NEEDS`` seconds left: a spent budget says "not run" (and is not a
+    failure), so that the step's arms keep the call's 10 minutes. The budget counts from the script's start."""
+    assert gpu_check.main(["--cpu-smoke", "--parts", "b", "--budget", "0.001", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["b"] == [] and report["info"]["b_not_run"].startswith(gpu_check.NOT_RUN), report["info"]
+    assert "not run: the time budget was spent" in capsys.readouterr().out
 
 
 def test_the_triton_step_arm_is_checked_as_ours_and_reported_beside_patched():
