@@ -49,18 +49,22 @@ GPU_NOTE = (
     "predates the routed autocast, the chunked KL log-probs, the held budget and issue 45's accelerator rule "
     "(today's default at these shapes: simulated, below)"
 )
-RUN = "cpu-2026-12-07-blocks"  # every CPU row: the package of 2026-12-07 (issue 39), one machine
+RUN = "cpu-2026-12-07-blocks"  # the fp32 L=2,048 rows: the package of 2026-12-07 (issue 39), before TRL 1.16's arm
+NOW = "cpu-2026-12-07-trl116"  # every other CPU row: issue 45's runs, TRL 1.16 beside TRL 1.14, one machine
+L512 = f"{NOW}/step_512.json"  # fp32 and mixed at L=512
+KTO_MIXED_2048 = f"{NOW}/step_2048_rerun.json"
+OFF_BF16_2048 = ""  # Liger-off at bf16 L=2,048, in a run of its own beside the package
 SPECS = (
-    Spec(f"{RUN}/step_mixed512_dpo_quiet.json", "dpo", "mixed", 512),
-    Spec(f"{RUN}/step_kto_mixed512_768.json", "kto", "mixed", 512),
-    Spec(f"{RUN}/step_mixed2048.json", "dpo", "mixed", 2048),
-    Spec(f"{RUN}/step_mixed2048.json", "kto", "mixed", 2048),
-    Spec(f"{RUN}/step_bf16.json", "dpo", "bf16", 512),
-    Spec(f"{RUN}/step_bf16.json", "kto", "bf16", 512),
-    Spec(f"{RUN}/step_bf16.json", "dpo", "bf16", 2048),
-    Spec(f"{RUN}/step_bf16.json", "kto", "bf16", 2048),
-    Spec(f"{RUN}/step_widened_fp32_512.json", "dpo", "fp32", 512),
-    Spec(f"{RUN}/step_widened_fp32_512.json", "kto", "fp32", 512),
+    Spec(L512, "dpo", "mixed", 512),
+    Spec(L512, "kto", "mixed", 512),
+    Spec(f"{NOW}/step_2048_rerun.json", "dpo", "mixed", 2048),
+    Spec(KTO_MIXED_2048, "kto", "mixed", 2048),
+    Spec(f"{NOW}/step_512.json", "dpo", "bf16", 512),
+    Spec(f"{NOW}/step_512.json", "kto", "bf16", 512),
+    Spec(f"{NOW}/step_2048_rerun.json", "dpo", "bf16", 2048, off_raw=OFF_BF16_2048),
+    Spec(f"{NOW}/step_2048_rerun.json", "kto", "bf16", 2048, off_raw=OFF_BF16_2048),
+    Spec(L512, "dpo", "fp32", 512),
+    Spec(L512, "kto", "fp32", 512),
     Spec(f"{RUN}/step_fp32_2048.json", "dpo", "fp32", 2048),
     Spec(f"{RUN}/step_fp32_2048.json", "kto", "fp32", 2048),
     Spec("h200-2026-12-04/gpu_check.json", "dpo", "bf16", 4096, note=GPU_NOTE),
