@@ -477,7 +477,7 @@ def sim_peaks(rows_c: list[dict], sim_json: Path = SIM_PEAKS) -> list[dict]:
     here is the launch's own measured ``base_gib`` (2026-12-04's was the simulation's ``STEP_BASE``; TRL 1.16 and a
     bf16 ``ref_model`` hold a bf16 reference, a smaller base).  ``sim_peak_gib`` stays None ("-") where the shapes
     are not the simulated ones, the arm has no simulated counterpart, or ``L`` is outside its simulated lengths
-    (KTO: one length simulated, no line).  Reads JSON only: no torch."""
+    (DPO and KTO: 4,096 and 8,192; Liger-off 2,048 and 4,096).  Reads JSON only: no torch."""
     import sim_gpu_peak
 
     sim_rows = None

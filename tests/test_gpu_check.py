@@ -195,8 +195,8 @@ def test_step_rows_get_the_simulated_peak_beside_the_measured_one():
     """Issue 45 item 5: the GPU checks the simulation. On 2026-12-04's H200 step rows (their base is the simulation's
     STEP_BASE) sim_peaks gives sim_gpu_peak --capacity's step at L=4,096 (11.88 GiB for the default and TRL 1.14,
     17.20 for Liger-off: results/sim-2026-12-07-gpu-peak/capacity_80gb.txt) and the measured / simulated ratio;
-    a bf16 reference model keeps its arm's simulated step over its own base; KTO (one simulated length: no line), a
-    failed launch and the CPU smoke's shapes get none ("-")."""
+    a bf16 reference model keeps its arm's simulated step over its own base; KTO's two rows of L tokens compose the
+    same step (its simulated lengths 4,096 and 8,192); a failed launch and the CPU smoke's shapes get none ("-")."""
     import sim_gpu_peak
 
     assert {a.removesuffix(gpu_check.BF16_REF) for a in gpu_check.DEFAULT_STEP_ARMS} <= gpu_check.SIM_ARM.keys()
@@ -211,11 +211,12 @@ def test_step_rows_get_the_simulated_peak_beside_the_measured_one():
     assert round(patched["sim_peak_gib"], 2) == round(trl114["sim_peak_gib"], 2) == 11.88, patched
     assert round(off["sim_peak_gib"], 2) == 17.20 and round(patched["peak_vs_sim"], 2) == 1.41, (off, patched)
     assert found[("dpo", "patched+bf16ref", 151_936)]["sim_peak_gib"] == patched["sim_peak_gib"] - 2.0
-    assert all(r["sim_peak_gib"] is None for (t, a, v), r in found.items() if t == "kto" or a == "trl116" or v == 512)
+    assert all(r["sim_peak_gib"] is None for (t, a, v), r in found.items() if a == "trl116" or v == 512)
+    assert round(found[("kto", "patched", 151_936)]["sim_peak_gib"], 2) == 11.88
     table = "\n".join(gpu_check.render_c(dict(device="cuda", ddp_device="cuda:0", step={}), rows))
     assert "   11.88     1.41" in table and "   17.20     1.28" in table, table  # sim GiB, peak/sim
     kto = next(line for line in table.splitlines() if line.startswith("kto     patched "))
-    assert kto.split()[5:7] == ["-", "-"], kto
+    assert kto.split()[5] == "11.88", kto
 
 
 def test_the_default_call_runs_every_arm_the_issue_lists():
