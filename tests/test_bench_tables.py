@@ -650,11 +650,11 @@ def test_step_peak_replays_back_the_readmes_same_bytes():
     """README.md: "A CPU peak of 0.99-1.01x TRL 1.14's is the same bytes: both steps peak in the embedding's
     backward". benchmarks/README.md quotes the replayed peaks (``BENCH_STEP_MEMORY``, rank 0) of each pair of arms;
     they must be what the raw files say, equal to 0.01 %, and reached at the same site."""
-    folder = BENCH / "results" / "cpu-2026-12-07-blocks" / "step_peak_by_site"
     text = (BENCH / "README.md").read_text()
-    pairs = sorted({p.name.split("_patched")[0] for p in folder.glob("*_patched.memory.json")})
-    assert pairs, f"no replays in {folder}"
-    for pair in pairs:
+    found = BENCH.glob("results/*/step_peak_by_site/*_patched.memory.json")
+    pairs = sorted({(p.parent, p.name.split("_patched")[0]) for p in found})
+    assert len(pairs) >= 5, f"only {len(pairs)} replayed pairs under benchmarks/results/*/step_peak_by_site"
+    for folder, pair in pairs:
         ours, trl = (json.loads((folder / f"{pair}_{arm}.memory.json").read_text()) for arm in ("patched", "trl114"))
         assert abs(ours["peak"] - trl["peak"]) <= 1e-4 * trl["peak"], (pair, ours["peak"], trl["peak"])
         assert ours["at"] == trl["at"] and "backward" in ours["at"], (pair, ours["at"], trl["at"])
