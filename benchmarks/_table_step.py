@@ -53,7 +53,7 @@ RUN = "cpu-2026-12-07-blocks"  # the fp32 L=2,048 rows: the package of 2026-12-0
 NOW = "cpu-2026-12-07-trl116"  # every other CPU row: issue 45's runs, TRL 1.16 beside TRL 1.14, one machine
 L512 = f"{NOW}/step_512_quiet.json"  # fp32 and mixed at L=512 (a quieter hour than step_512.json)
 KTO_MIXED_2048 = f"{NOW}/step_kto_mixed_2048.json"  # in one sitting (step_2048_rerun.json's row spans two)
-OFF_BF16_2048 = ""  # Liger-off at bf16 L=2,048, in a run of its own beside the package
+OFF_BF16_2048 = f"{NOW}/step_2048_off.json"  # Liger-off at bf16 L=2,048: a run of its own beside the package
 SPECS = (
     Spec(L512, "dpo", "mixed", 512),
     Spec(L512, "kto", "mixed", 512),
