@@ -40,6 +40,23 @@ def site(frames) -> str:
     return NO_FRAME
 
 
+def ranked_sites(live, top: int, rest: bool = True, sizes: dict | None = None) -> list[dict]:
+    """``live`` ``(bytes, site)`` pairs summed by site (onto ``sizes``' ``{site: [bytes, blocks]}``), largest first:
+    the ``top`` sites as ``site``, ``bytes``, ``blocks``, then (``rest``) one row for all the others."""
+    sizes = {} if sizes is None else sizes
+    for size, where in live:
+        entry = sizes.setdefault(where, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    ranked = sorted(sizes.items(), key=lambda kv: kv[1][0], reverse=True)
+    out = [dict(site=k, bytes=v[0], blocks=v[1]) for k, v in ranked[:top]]
+    others = ranked[top:]
+    if rest and others:
+        out.append(dict(site=f"{len(others)} other sites", bytes=sum(v[0] for _, v in others),
+                        blocks=sum(v[1] for _, v in others)))  # fmt: skip
+    return out
+
+
 def peak_sites(events: list[dict], base: int, top: int = 15) -> dict:
     """Replay ``events`` (one device's trace: ``action`` alloc / free_completed, ``addr``, ``size``, ``frames``)
     from ``base`` live bytes: the peak, and what is live there by :func:`site`, largest first.
@@ -68,16 +85,7 @@ def peak_sites(events: list[dict], base: int, top: int = 15) -> dict:
                 live_at.pop(e["addr"])
             else:
                 sizes[BEFORE][0] -= e["size"]
-    for size, where in live_at.values():
-        entry = sizes.setdefault(where, [0, 0])
-        entry[0] += size
-        entry[1] += 1
-    ranked = sorted(sizes.items(), key=lambda kv: kv[1][0], reverse=True)
-    rest = ranked[top:]
-    sites = [dict(site=k, bytes=v[0], blocks=v[1]) for k, v in ranked[:top]]
-    if rest:
-        sites.append(dict(site=f"{len(rest)} other sites", bytes=sum(v[0] for _, v in rest),
-                          blocks=sum(v[1] for _, v in rest)))  # fmt: skip
+    sites = ranked_sites(live_at.values(), top, sizes=sizes)
     frames = (events[at].get("frames") or []) if at >= 0 else []
     at_peak = [f"{f.get('filename', '?')}:{f.get('line', '?')}:{f.get('name', '?')}" for f in frames[:12]]
     return dict(peak=peak, base=base, events=len(events), sites=sites, at_peak=at_peak)
@@ -191,12 +199,7 @@ def cpu_replay(prof, libraries=LIBRARIES, top: int = 8) -> dict:
             live[f.ptr] = (f.alloc_size, _cpu_site(e, libraries))
         else:
             live.pop(f.ptr, None)
-    by: dict = {}
-    for size, where in live.values():
-        entry = by.setdefault(where, [0, 0])
-        entry[0] += size
-        entry[1] += 1
-    sites = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
     where = _cpu_site(events[at], libraries) if at >= 0 else "-"
-    return dict(peak=peak - base, base=base, at=where, at_peak=[where],
-                sites=[dict(site=k, bytes=v[0], blocks=v[1]) for k, v in sites])  # fmt: skip
+    return dict(
+        peak=peak - base, base=base, at=where, at_peak=[where], sites=ranked_sites(live.values(), top, rest=False)
+    )

@@ -361,31 +361,31 @@ def site(frames) -> str:
 def replay(events, drop=(), top: int = 12) -> dict:
     """The peak of the live bytes over the profile's start, replayed from its allocations and frees, leaving out
     every allocation made beneath a frame named in ``drop`` (and its free): what is live there by :func:`site`."""
+    from _memory import ranked_sites
+
+    def dropped_here(frames) -> bool:
+        return bool(drop) and any(any(f"): {d}" in n or n.endswith(d) for d in drop) for n in frames if ".py(" in n)
+
     live: dict = {}
     dropped_ptrs: set = set()
     dropped = 0
     cur = peak = 0
     at_i = -1
-    info = []
     for i, e in enumerate(events):
         f = e.extra_fields
         frames = _frames(e)
         if f.alloc_size > 0:
-            if drop and any(any(f"): {d}" in n or n.endswith(d) for d in drop) for n in frames if ".py(" in n):
+            if dropped_here(frames):
                 dropped_ptrs.add(f.ptr)
                 dropped += f.alloc_size
-                info.append(None)
                 continue
             live[f.ptr] = (f.alloc_size, site(frames))
             cur += f.alloc_size
         else:
             if f.ptr in dropped_ptrs:
                 dropped_ptrs.discard(f.ptr)
-                info.append(None)
                 continue
-            size = live.pop(f.ptr, (0, None))[0]
-            cur -= size
-        info.append(cur)
+            cur -= live.pop(f.ptr, (0, None))[0]
         if cur > peak:
             peak, at_i = cur, i
     # what is live at the peak, by site
@@ -395,7 +395,7 @@ def replay(events, drop=(), top: int = 12) -> dict:
         f = e.extra_fields
         frames = _frames(e)
         if f.alloc_size > 0:
-            if drop and any(any(f"): {d}" in n or n.endswith(d) for d in drop) for n in frames if ".py(" in n):
+            if dropped_here(frames):
                 dropped_ptrs.add(f.ptr)
                 continue
             live_at[f.ptr] = (f.alloc_size, site(frames))
@@ -403,19 +403,8 @@ def replay(events, drop=(), top: int = 12) -> dict:
             dropped_ptrs.discard(f.ptr)
         else:
             live_at.pop(f.ptr, None)
-    by: dict = {}
-    for size, where in live_at.values():
-        entry = by.setdefault(where, [0, 0])
-        entry[0] += size
-        entry[1] += 1
-    ranked = sorted(by.items(), key=lambda kv: -kv[1][0])
-    sites = [dict(site=k, bytes=v[0], blocks=v[1]) for k, v in ranked[:top]]
-    if ranked[top:]:
-        rest = ranked[top:]
-        sites.append(dict(site=f"{len(rest)} other sites", bytes=sum(v[0] for _, v in rest),
-                          blocks=sum(v[1] for _, v in rest)))  # fmt: skip
     at = site(_frames(events[at_i])) if at_i >= 0 else "-"
-    return dict(peak=peak, at=at, sites=sites, dropped=dropped)
+    return dict(peak=peak, at=at, sites=ranked_sites(live_at.values(), top), dropped=dropped)
 
 
 # ------------------------------------------------------------------------------------------------ a step, composed
