@@ -279,11 +279,7 @@ def sim_table(results: Path = RESULTS, L: int = 4096, limit: float = 80e9) -> st
 
     def ratio(t, arm):
         mine, other = peak(t, "default"), peak(t, arm)
-        return None if mine is None or other is None else round(mine / other, 2)
-
-    def cell(values, fmt="{:,.2f}", misses=False):
-        return " / ".join("—" if v is None else (f"**{fmt.format(v)}**" if misses and v > 1 else fmt.format(v))
-                          for v in values)  # fmt: skip
+        return None if mine is None or other is None else mine / other
 
     t = ("dpo", "kto")
     date = SIM_RAW.split("/")[0][4:14]
@@ -291,6 +287,6 @@ def sim_table(results: Path = RESULTS, L: int = 4096, limit: float = 80e9) -> st
     out = [SIM_BEGIN, head, "|---|---:|---:|---:|"]
     for arm in SIM_ARMS:
         name = "today's default" if arm == "default" else arm
-        out.append(f"| {name} | {cell([peak(x, arm) for x in t])} | {cell([ratio(x, arm) for x in t], misses=True)} "
-                   f"| {cell([fits(x, arm) for x in t], '{:,}')} |")  # fmt: skip
+        out.append(f"| {name} | {_cell([peak(x, arm) for x in t])} | {_cell([ratio(x, arm) for x in t], misses=True)} "
+                   f"| {_cell([fits(x, arm) for x in t], digits=0)} |")  # fmt: skip
     return "\n".join([*out, SIM_END])
